@@ -1,0 +1,3 @@
+"""rlsys: Megatron-native RL post-training for large language models."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,34 @@
+"""Qwen3-MoE: Qwen3 attention; MoE layers with a softmax router and per-expert SwiGLU.
+
+Experts are named by their global id on the HF side (``mlp.experts.{E}``).
+"""
+
+from rlsys.convert.hf_config import ModelArch
+from rlsys.convert.llama import dense_mlp, gqa_attention, model_entries, skip_export
+from rlsys.convert.mapping import ArchTable, GatedMLP, Rename
+
+
+def routed_experts() -> tuple:
+    return (
+        GatedMLP(
+            "mlp.experts.local_experts.{E}.linear_fc1.weight",
+            "mlp.experts.{E}.gate_proj.weight",
+            "mlp.experts.{E}.up_proj.weight",
+        ),
+        Rename("mlp.experts.local_experts.{E}.linear_fc2.weight", "mlp.experts.{E}.down_proj.weight"),
+    )
+
+
+def table(arch: ModelArch) -> ArchTable:
+    attention = gqa_attention(bias=arch.qkv_bias, qk_norm=True)
+    return ArchTable(
+        model=model_entries(arch),
+        dense_layer=attention + dense_mlp(),
+        moe_layer=attention
+        + (
+            Rename("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+            Rename("mlp.router.weight", "mlp.gate.weight"),
+        )
+        + routed_experts(),
+        skip_export=skip_export(arch),
+    )

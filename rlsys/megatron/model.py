@@ -1,0 +1,263 @@
+"""Build Megatron-core ``GPTModel`` chunks that reproduce an HF architecture.
+
+This is the one place that chooses the model class, the layer spec and the
+``TransformerConfig``; newer Megatron replaces ``GPTModel`` by ``HybridModel``
+(parameter names change), so nothing else constructs models.
+
+Every numeric choice below is there to match HF transformers exactly: RMSNorm
+epsilon, SwiGLU, RoPE base and scaling, MLA dims and YaRN, the MoE router's
+score function, normalization and group-limited top-k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+from rlsys.convert.hf_config import ModelArch
+from rlsys.errors import UserError
+from rlsys.topology import Topology
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron pads the vocab so each TP shard has a multiple of ``divisible_by`` rows."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def have_transformer_engine() -> bool:
+    # A broken TE install raises RuntimeError/OSError, not only ImportError.
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def transformer_config(arch: ModelArch, topo: Topology, dtype: str = "fp32", **overrides) -> TransformerConfig:
+    """The ``TransformerConfig`` (or ``MLATransformerConfig``) matching ``arch`` on ``topo``."""
+    torch_dtype = _DTYPES[dtype]
+    on_cpu = topo.device.type == "cpu"
+    kwargs = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        # Fused kernels need CUDA (and apex/TE); the unfused paths are exact.
+        bias_activation_fusion=not on_cpu,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=not on_cpu,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=on_cpu,
+        # Megatron tags TP attributes on weights only while initializing them; the values are
+        # overwritten from the checkpoint, so initialize to zeros instead of drawing randoms.
+        perform_initialization=True,
+        init_method=torch.nn.init.zeros_,
+        output_layer_init_method=torch.nn.init.zeros_,
+        params_dtype=torch_dtype,
+        pipeline_dtype=torch_dtype,
+        bf16=dtype == "bf16",
+        fp16=dtype == "fp16",
+        tensor_model_parallel_size=topo.tp,
+        pipeline_model_parallel_size=topo.pp,
+        virtual_pipeline_model_parallel_size=topo.vpp,
+        context_parallel_size=topo.cp,
+        expert_model_parallel_size=topo.ep,
+        expert_tensor_parallel_size=topo.etp,
+        sequence_parallel=topo.sequence_parallel,
+        # PP stages exchange shapes per micro-batch; megatron's allgather MoE dispatcher
+        # (the CPU one) cannot, so MoE on CPU runs fixed-length micro-batches.
+        variable_seq_lengths=not (on_cpu and arch.num_experts),
+        moe_token_dispatcher_type="allgather" if on_cpu and arch.num_experts else "alltoall",
+        batch_p2p_comm=False,  # gloo has no batched isend/irecv
+    )
+    kwargs.update(_moe_kwargs(arch))
+    if arch.mla:
+        kwargs.update(_mla_kwargs(arch))
+        cls = MLATransformerConfig
+    else:
+        cls = TransformerConfig
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def _moe_kwargs(arch: ModelArch) -> dict:
+    if not arch.num_experts:
+        return {}
+    kw = dict(
+        num_moe_experts=arch.num_experts,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_topk=arch.moe_top_k,
+        moe_layer_freq=[1 if arch.is_moe_layer(i) else 0 for i in range(arch.num_layers)],
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=False,
+        moe_router_dtype="fp32",
+        moe_shared_expert_intermediate_size=arch.shared_expert_ffn_hidden_size or None,
+        moe_permute_fusion=False,
+    )
+    if arch.moe_score_function == "softmax":
+        # Megatron's default softmaxes the top-k logits, which equals HF's normalized top-k
+        # probabilities; without normalization HF keeps the full-softmax probabilities.
+        kw["moe_router_pre_softmax"] = not arch.moe_norm_topk_prob
+    else:
+        if not arch.moe_norm_topk_prob and arch.moe_top_k > 1:
+            raise UserError("sigmoid routing with norm_topk_prob=false is not supported by megatron's router")
+        kw.update(
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=arch.moe_expert_bias,
+            moe_router_topk_scaling_factor=arch.moe_routed_scaling_factor,
+            moe_router_bias_update_rate=0.0,
+        )
+        if arch.moe_num_groups and arch.moe_num_groups > 1:
+            if arch.moe_top_k // arch.moe_group_topk != 2:
+                # HF DeepSeek-V3 scores a group by its top-2 experts; megatron by its top-(k/topk_group).
+                raise UserError(
+                    f"num_experts_per_tok / topk_group must be 2 for group-limited routing "
+                    f"(got {arch.moe_top_k}/{arch.moe_group_topk}); megatron and HF score groups differently otherwise"
+                )
+            kw.update(moe_router_num_groups=arch.moe_num_groups, moe_router_group_topk=arch.moe_group_topk)
+    return kw
+
+
+def _mla_kwargs(arch: ModelArch) -> dict:
+    kw = dict(
+        multi_latent_attention=True,
+        qk_layernorm=True,  # MLA's q_a / kv_a RMSNorms are megatron's q/kv layernorms
+        q_lora_rank=arch.q_lora_rank,
+        kv_lora_rank=arch.kv_lora_rank,
+        qk_head_dim=arch.qk_nope_head_dim,
+        qk_pos_emb_head_dim=arch.qk_rope_head_dim,
+        v_head_dim=arch.v_head_dim,
+        rotary_base=arch.rope_theta,
+        kv_channels=arch.qk_nope_head_dim + arch.qk_rope_head_dim,
+    )
+    scaling = arch.rope_scaling
+    if scaling is None:
+        kw.update(rope_type="rope")
+    elif scaling.get("rope_type") == "yarn":
+        kw.update(
+            rope_type="yarn",
+            rotary_scaling_factor=scaling["factor"],
+            original_max_position_embeddings=scaling.get("original_max_position_embeddings", 4096),
+            beta_fast=scaling.get("beta_fast", 32),
+            beta_slow=scaling.get("beta_slow", 1),
+            mscale=scaling.get("mscale", 1.0),
+            mscale_all_dim=scaling.get("mscale_all_dim", 0.0),
+        )
+    else:
+        raise UserError(f"MLA with rope_type '{scaling.get('rope_type')}' is not supported (supported: default, yarn)")
+    return kw
+
+
+def _layer_specs(config: TransformerConfig, topo: Topology, vp_stage: int | None):
+    use_te = topo.device.type == "cuda" and have_transformer_engine()
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=topo.pp_rank
+    )
+    if config.multi_latent_attention and not use_te:
+        # The local DotProductAttention rejects MLA's separate k/v head sizes.
+        from rlsys.megatron.sdpa_attention import SDPAttention
+
+        for spec in block.layer_specs:
+            spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return block
+
+
+def _rope_kwargs(arch: ModelArch) -> dict:
+    if arch.mla:
+        return dict(position_embedding_type="none")  # MLA owns its (YaRN) rotary embedding
+    scaling = arch.rope_scaling
+    kw = dict(position_embedding_type="rope", rotary_base=arch.rope_theta, rotary_percent=1.0)
+    if scaling is None:
+        return kw
+    kind = scaling.get("rope_type")
+    if kind == "linear":
+        return dict(kw, seq_len_interpolation_factor=scaling["factor"])
+    if kind == "llama3":
+        return dict(kw, rope_scaling=True, rope_scaling_factor=scaling["factor"])
+    raise UserError(f"rope_type '{kind}' is not supported for {arch.model_type} (supported: default, linear, llama3)")
+
+
+def _fix_llama3_inv_freq(model: GPTModel, arch: ModelArch) -> None:
+    """Megatron hard-codes llama3's low/high frequency factors; take HF's computation instead."""
+    if arch.mla or not arch.rope_scaling or arch.rope_scaling.get("rope_type") != "llama3":
+        return
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = AutoConfig.for_model(
+        arch.model_type,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        head_dim=arch.head_dim,
+        max_position_embeddings=arch.max_position_embeddings,
+        rope_parameters=dict(arch.rope_scaling, rope_theta=arch.rope_theta),
+    )
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq)
+
+
+def build_model(arch: ModelArch, topo: Topology, dtype: str = "fp32", vocab_divisible_by: int = 128, **overrides):
+    """Build this rank's model chunks (one per virtual pipeline stage).
+
+    Returns ``(chunks, config)``; parameters are uninitialized until loaded.
+    """
+    config = transformer_config(arch, topo, dtype, **overrides)
+    vocab = padded_vocab_size(arch.vocab_size, vocab_divisible_by, topo.tp)
+    stages = range(topo.vpp) if topo.vpp else [None]
+    chunks = []
+    for vp_stage in stages:
+        first = topo.pp_rank == 0 and (vp_stage is None or vp_stage == 0)
+        last = topo.pp_rank == topo.pp - 1 and (vp_stage is None or vp_stage == topo.vpp - 1)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=_layer_specs(config, topo, vp_stage),
+            vocab_size=vocab,
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=first,
+            post_process=last,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            pg_collection=topo.pg,
+            vp_stage=vp_stage,
+            **_rope_kwargs(arch),
+        )
+        if hasattr(model, "rotary_pos_emb"):
+            _fix_llama3_inv_freq(model, arch)
+        model.to(topo.device)
+        chunks.append(model)
+    return chunks, config
+
+
+def config_summary(config: TransformerConfig) -> dict:
+    """The non-default TransformerConfig fields, for logs and plan output."""
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.default is not dataclasses.MISSING and value == f.default:
+            continue
+        if callable(value):
+            value = getattr(value, "__name__", repr(value))
+        out[f.name] = value
+    return out

@@ -1,0 +1,112 @@
+"""``rlsys check-parity``: Megatron at a TP/PP/EP layout vs HF transformers.
+
+The launcher spawns the needed ranks itself (gloo on CPU, NCCL on CUDA).
+Each rank builds its Megatron shard, loads the HF checkpoint into it and runs
+a fixed batch through the pipeline schedule; the last stage hands the full
+logits back, and the launcher compares them with ``AutoModelForCausalLM`` in
+fp32 on the same tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+from rlsys.convert.hf_config import read_arch
+from rlsys.errors import UserError
+
+
+@dataclass(frozen=True)
+class ParityLayout:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    vpp: int | None = None
+
+    def world_size(self) -> int:
+        """Smallest world that holds the grid: TP*PP and ETP*EP*PP must both divide it."""
+        etp = self.etp or self.tp
+        return math.lcm(self.tp, etp * self.ep) * self.pp
+
+
+def fixed_tokens(vocab_size: int, batch: int, seq_len: int, seed: int = 1234) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, seq_len), generator=gen)
+
+
+def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=tokens).logits.float()
+
+
+def megatron_logits_on_rank(hf_dir: str, layout: ParityLayout, tokens: torch.Tensor, device: str = "cpu"):
+    """Run on every rank of an initialized process group; the logits come back on one rank."""
+    from rlsys.megatron.forward import forward_logits
+    from rlsys.megatron.load import load_hf_weights
+    from rlsys.megatron.model import build_model
+    from rlsys.topology import build_topology, destroy_topology
+
+    arch = read_arch(hf_dir)
+    topo = build_topology(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, vpp=layout.vpp, device=device)
+    try:
+        chunks, _ = build_model(arch, topo, dtype="fp32")
+        load_hf_weights(chunks, arch, topo, hf_dir)
+        logits = forward_logits(chunks, topo, tokens, arch.vocab_size)
+    finally:
+        destroy_topology()
+    reporter = topo.is_last_stage and topo.tp_rank == 0 and topo.dp_rank == 0
+    return logits.cpu() if reporter else None
+
+
+def _worker(rank: int, world: int, port: int, hf_dir: str, layout: ParityLayout, tokens, out_path: str, device: str):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from rlsys.topology import init_distributed
+
+    init_distributed(device)
+    try:
+        logits = megatron_logits_on_rank(hf_dir, layout, tokens, device)
+        if logits is not None:
+            torch.save(logits, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(fn, world: int, *args) -> None:
+    """Run ``fn(rank, world, port, *args)`` in ``world`` fresh processes and wait for all."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=True, start_method="spawn")
+
+
+def check_parity(hf_dir: str, layout: ParityLayout, seq_len: int = 32, batch: int = 2, device: str = "cpu") -> float:
+    """Max |logit difference| between Megatron at ``layout`` and HF transformers."""
+    arch = read_arch(hf_dir)
+    if device == "cuda" and torch.cuda.device_count() < layout.world_size():
+        raise UserError(f"layout needs {layout.world_size()} GPUs, {torch.cuda.device_count()} visible")
+    tokens = fixed_tokens(arch.vocab_size, batch, seq_len)
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "logits.pt")
+        spawn_ranks(_worker, layout.world_size(), hf_dir, layout, tokens, out_path, device)
+        ours = torch.load(out_path)
+    ref = hf_logits(hf_dir, tokens)
+    return (ours - ref).abs().max().item()

@@ -1,0 +1,30 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="rlsys",
+    version="0.1.0",
+    description="Megatron-native RLHF / RLVR post-training for large language models",
+    python_requires=">=3.10",
+    packages=find_packages(include=["rlsys", "rlsys.*", "tools", "tools.*"]),
+    install_requires=[
+        # The Makefile installs a CPU torch first on machines without CUDA; this range
+        # then installs nothing more. Never leave torch unpinned on a CPU box.
+        "torch>=2.6",
+        "megatron-core>=0.16,<0.17",  # 0.17+ needs Python 3.12
+        "pyyaml>=6",
+        "ray[default]>=2.40",
+        "transformers>=5,<6",
+        "safetensors>=0.4",
+        "numpy",
+        "tqdm",
+    ],
+    extras_require={
+        # Optional GPU acceleration: rlsys detects and uses them, and falls back without.
+        # NVIDIA apex is deliberately absent: PyPI's "apex" is an unrelated package.
+        "gpu": ["transformer-engine[pytorch]", "nvidia-modelopt"],
+        # SGLang runs in its own environment (it pins its own torch); this extra is for that env.
+        "sglang": ["sglang>=0.5.23,<0.6", "sglang-router"],
+        "dev": ["pytest>=8", "pytest-timeout", "ruff"],
+    },
+    entry_points={"console_scripts": ["rlsys=rlsys.cli:main"]},
+)
