@@ -17,6 +17,7 @@ class ConfigError(UserError):
 
     def __init__(self, path: str, message: str):
         self.path = path
+        self.message = message
         super().__init__(f"config error at '{path}': {message}" if path else f"config error: {message}")
 
 

@@ -42,7 +42,9 @@ def fixed_tokens(vocab_size: int, batch: int, seq_len: int, seed: int = 1234) ->
 
 def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     model.eval()
     with torch.no_grad():
@@ -69,10 +71,14 @@ def megatron_logits_on_rank(hf_dir: str, layout: ParityLayout, tokens: torch.Ten
 
 
 def _worker(rank: int, world: int, port: int, hf_dir: str, layout: ParityLayout, tokens, out_path: str, device: str):
+    import warnings
+
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    warnings.simplefilter("ignore")  # megatron and torch.distributed deprecation chatter, once per rank
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     from rlsys.topology import init_distributed
 
@@ -81,6 +87,11 @@ def _worker(rank: int, world: int, port: int, hf_dir: str, layout: ParityLayout,
         logits = megatron_logits_on_rank(hf_dir, layout, tokens, device)
         if logits is not None:
             torch.save(logits, out_path)
+    except UserError as e:
+        # Hand the user's mistake to the launcher as one line; peers fail on the broken group.
+        with open(out_path + ".error", "w") as f:
+            f.write(str(e))
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -106,7 +117,15 @@ def check_parity(hf_dir: str, layout: ParityLayout, seq_len: int = 32, batch: in
     tokens = fixed_tokens(arch.vocab_size, batch, seq_len)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "logits.pt")
-        spawn_ranks(_worker, layout.world_size(), hf_dir, layout, tokens, out_path, device)
+        try:
+            spawn_ranks(_worker, layout.world_size(), hf_dir, layout, tokens, out_path, device)
+        except Exception:
+            if os.path.exists(out_path + ".error"):
+                with open(out_path + ".error") as f:
+                    raise UserError(f.read()) from None
+            raise
         ours = torch.load(out_path)
     ref = hf_logits(hf_dir, tokens)
+    if ref.std() < 1e-3:
+        raise RuntimeError("reference logits are nearly constant; the parity check would prove nothing")
     return (ours - ref).abs().max().item()

@@ -36,7 +36,11 @@ def table(arch: ModelArch) -> ArchTable:
     shared = ()
     if arch.shared_expert_ffn_hidden_size:
         shared = (
-            GatedMLP("mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
+            GatedMLP(
+                "mlp.shared_experts.linear_fc1.weight",
+                "mlp.shared_experts.gate_proj.weight",
+                "mlp.shared_experts.up_proj.weight",
+            ),
             Rename("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.down_proj.weight"),
         )
     return ArchTable(

@@ -45,7 +45,7 @@ class HFCheckpoint:
         single = os.path.join(model_dir, SINGLE_FILE)
         if os.path.isfile(single):
             with _open(single) as f:
-                return {name: single for name in f.keys()}
+                return {name: single for name in f.keys()}  # noqa: SIM118 (a safetensors handle, not a dict)
         raise CheckpointError(f"'{model_dir}' has neither {INDEX_FILE} nor {SINGLE_FILE}")
 
     def names(self) -> list[str]:
@@ -88,4 +88,6 @@ def _open(path: str):
     try:
         return safe_open(path, framework="pt")
     except Exception as e:
-        raise CheckpointError(f"'{path}' is not a readable safetensors file ({e}); re-download or re-export it") from None
+        raise CheckpointError(
+            f"'{path}' is not a readable safetensors file ({e}); re-download or re-export it"
+        ) from None

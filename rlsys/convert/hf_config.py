@@ -35,7 +35,7 @@ class ModelArch:
     tie_word_embeddings: bool
     max_position_embeddings: int
     rope_theta: float
-    rope_scaling: dict | None = None  # rope_parameters minus rope_theta, None for plain RoPE
+    rope_scaling: dict | None = field(default=None, hash=False)  # rope_parameters minus rope_theta; None: plain RoPE
     qkv_bias: bool = False
     qk_norm: bool = False
     # MoE (num_experts == 0 means dense)
@@ -57,7 +57,6 @@ class ModelArch:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
-    extra: dict = field(default_factory=dict, compare=False)
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -66,7 +65,7 @@ class ModelArch:
 def load_hf_config(model_dir: str) -> dict[str, Any]:
     """Return the raw ``config.json`` dict of an HF checkpoint directory."""
     if not os.path.isdir(model_dir):
-        raise CheckpointError(f"HF checkpoint directory '{model_dir}' does not exist (set model.path to a directory with config.json)")
+        raise CheckpointError(f"HF checkpoint directory '{model_dir}' does not exist")
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise CheckpointError(f"'{model_dir}' has no config.json: is it an HF checkpoint directory?")
@@ -117,7 +116,9 @@ def _common(cfg, **overrides) -> dict:
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     if cfg.hidden_act != "silu":
-        raise CheckpointError(f"hidden_act '{cfg.hidden_act}' is not supported (rlsys models use SwiGLU: hidden_act='silu')")
+        raise CheckpointError(
+            f"hidden_act '{cfg.hidden_act}' is not supported (rlsys models use SwiGLU: hidden_act='silu')"
+        )
     out = dict(
         model_type=cfg.model_type,
         vocab_size=cfg.vocab_size,
@@ -156,7 +157,7 @@ def _qwen3(cfg) -> ModelArch:
 
 
 def _qwen3_moe(cfg) -> ModelArch:
-    num_experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts")
+    num_experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
     step = getattr(cfg, "decoder_sparse_step", 1) or 1
     dense_only = set(getattr(cfg, "mlp_only_layers", None) or [])
     moe_layers = tuple(
@@ -173,13 +174,15 @@ def _qwen3_moe(cfg) -> ModelArch:
 
 
 def _deepseek_v3(cfg) -> ModelArch:
-    first_dense = cfg.first_k_dense_replace
-    freq = getattr(cfg, "moe_layer_freq", 1) or 1
-    moe_layers = tuple(i for i in range(cfg.num_hidden_layers) if i >= first_dense and i % freq == 0)
+    # HF's DeepseekV3 makes every layer from first_k_dense_replace on an MoE layer
+    # (its moe_layer_freq field is not read by the modeling code).
+    first_dense = cfg.first_k_dense_replace or 0
+    moe_layers = tuple(range(first_dense, cfg.num_hidden_layers)) if cfg.n_routed_experts else ()
     if not getattr(cfg, "rope_interleave", True):
         raise CheckpointError("deepseek_v3 with rope_interleave=false is not supported")
     return ModelArch(
-        **_common(cfg, head_dim=cfg.qk_nope_head_dim + cfg.qk_rope_head_dim),
+        # MLA has no KV head groups (HF's num_key_value_heads is unused): every head is its own group.
+        **_common(cfg, head_dim=cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, num_kv_heads=cfg.num_attention_heads),
         num_experts=cfg.n_routed_experts,
         moe_ffn_hidden_size=cfg.moe_intermediate_size,
         moe_top_k=cfg.num_experts_per_tok,

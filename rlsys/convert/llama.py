@@ -24,12 +24,22 @@ def skip_export(arch: ModelArch) -> frozenset:
 def gqa_attention(bias: bool = False, qk_norm: bool = False) -> tuple:
     entries = [
         Rename("input_layernorm.weight", "input_layernorm.weight"),
-        FusedQKV("self_attention.linear_qkv.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        FusedQKV(
+            "self_attention.linear_qkv.weight",
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+        ),
         Rename("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
     ]
     if bias:
         entries.append(
-            FusedQKV("self_attention.linear_qkv.bias", "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+            FusedQKV(
+                "self_attention.linear_qkv.bias",
+                "self_attn.q_proj.bias",
+                "self_attn.k_proj.bias",
+                "self_attn.v_proj.bias",
+            )
         )
     if qk_norm:
         entries += [

@@ -7,7 +7,10 @@ ever holds the whole model.
 
 from __future__ import annotations
 
+import re
+
 import torch
+import torch.distributed as dist
 
 from rlsys.convert.hf_checkpoint import HFCheckpoint
 from rlsys.convert.hf_config import ModelArch
@@ -23,7 +26,7 @@ def load_hf_weights(chunks, arch: ModelArch, topo: Topology, hf_dir: str) -> int
     """Copy HF weights into ``chunks``; returns the number of tensors loaded on this rank."""
     src = HFCheckpoint(hf_dir)
     table = table_for(arch)
-    count = 0
+    used: set[str] = set()
     try:
         for chunk in chunks:
             for p in iter_mapped_params(chunk, arch, table, topo):
@@ -39,7 +42,34 @@ def load_hf_weights(chunks, arch: ModelArch, topo: Topology, hf_dir: str) -> int
                         "the checkpoint does not match its config.json"
                     )
                 p.tensor.copy_(shard.to(p.tensor.dtype))
-                count += 1
+                used.update(p.hf_names)
+        _check_all_used(src, arch, used)
     finally:
         src.close()
-    return count
+    return len(used)
+
+
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _not_part_of_model(name: str, arch: ModelArch) -> bool:
+    """Rotary caches, multi-token-prediction layers (index >= num_layers), a tied model's lm_head."""
+    if name.endswith("rotary_emb.inv_freq") or (arch.tie_word_embeddings and name == "lm_head.weight"):
+        return True
+    m = _LAYER_INDEX.match(name)
+    return m is not None and int(m.group(1)) >= arch.num_layers
+
+
+def _check_all_used(src: HFCheckpoint, arch: ModelArch, used: set[str]) -> None:
+    """Every checkpoint tensor must land in some rank's model, or config.json lies about the weights."""
+    if dist.is_initialized():
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sorted(used))
+        used = set().union(*everyone)
+    unused = [n for n in src.names() if n not in used and not _not_part_of_model(n, arch)]
+    if unused:
+        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        raise CheckpointError(
+            f"{len(unused)} checkpoint tensor(s) in '{src.dir}' are not used by the {arch.model_type} model "
+            f"built from its config.json: {shown}"
+        )

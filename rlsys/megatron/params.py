@@ -9,8 +9,8 @@ weight sync all walk the model through here, so they agree on names.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 

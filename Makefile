@@ -1,0 +1,46 @@
+# rlsys developer entry points. A newcomer needs two: `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.rlsys-installed
+# On a machine without CUDA, install the CPU torch build first (it lies on local disk here),
+# so that no later requirement pulls a multi-GB CUDA build.
+TORCH_CPU := torch==2.13.0
+HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+PYTEST_ARGS ?=
+
+.PHONY: install test test-fast test-slow demo bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+ifneq ($(HAS_CUDA),1)
+	$(PY) -m pip install --quiet $(TORCH_CPU)
+endif
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+# The whole CPU suite: unit tests plus the multi-process (gloo) tests.
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+
+test-slow: install
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) tests
+
+demo: install
+	$(PY) -m rlsys.demo
+
+bench: install
+	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+lint: install
+	$(PY) -m ruff check rlsys tools tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

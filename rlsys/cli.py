@@ -1,0 +1,95 @@
+"""The ``rlsys`` command line.
+
+User mistakes (``UserError``: bad config, bad checkpoint, impossible layout)
+print one ``error:`` line and exit with code 2; anything else is a bug and
+keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rlsys.errors import UserError
+
+
+def _cmd_plan(args) -> int:
+    from rlsys.config import dump_yaml, load_config
+    from rlsys.plan import build_plan, model_arch, render_plan, validate_layout
+
+    cfg = load_config(args.config, args.overrides)
+    arch = model_arch(cfg.model)
+    validate_layout(cfg, arch)
+    if not args.quiet:
+        print("# resolved config")
+        print(dump_yaml(cfg))
+    print(render_plan(build_plan(cfg, arch)))
+    return 0
+
+
+def _cmd_check_parity(args) -> int:
+    from rlsys.config import ParallelConfig
+    from rlsys.convert.hf_checkpoint import HFCheckpoint
+    from rlsys.convert.hf_config import read_arch
+    from rlsys.errors import ConfigError
+    from rlsys.parity import ParityLayout, check_parity
+    from rlsys.plan import check_parallel
+
+    arch = read_arch(args.hf)
+    HFCheckpoint(args.hf)  # fail fast on a broken index before starting ranks
+    layout = ParityLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, vpp=args.vpp)
+    parallel = ParallelConfig(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, vpp=layout.vpp)
+    try:
+        check_parallel("layout", parallel, layout.world_size(), arch)
+    except ConfigError as e:
+        raise UserError(f"--{e.path.rsplit('.', 1)[-1]} {e.message}") from None
+    print(
+        f"check-parity: {arch.model_type} from {args.hf} at TP={layout.tp} PP={layout.pp} EP={layout.ep}"
+        f"{f' VPP={layout.vpp}' if layout.vpp else ''} on {layout.world_size()} {args.device} rank(s), "
+        f"batch {args.batch} x {args.seq_len} tokens, fp32",
+        flush=True,
+    )
+    diff = check_parity(args.hf, layout, seq_len=args.seq_len, batch=args.batch, device=args.device)
+    print(f"max_abs_logit_diff={diff:.3e}")
+    if diff > args.tol:
+        print(f"error: logits differ by {diff:.3e} > --tol {args.tol:g}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlsys", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="validate a config and print the resolved config and the parallel plan")
+    plan.add_argument("config", help="experiment YAML (configs/*.yaml)")
+    plan.add_argument("overrides", nargs="*", help="key.path=value overrides, type-checked")
+    plan.add_argument("-q", "--quiet", action="store_true", help="print only the plan")
+    plan.set_defaults(func=_cmd_plan)
+
+    par = sub.add_parser("check-parity", help="compare Megatron logits at a TP/PP/EP layout with HF transformers")
+    par.add_argument("--hf", required=True, help="HF checkpoint directory (config.json + safetensors)")
+    par.add_argument("--tp", type=int, default=1)
+    par.add_argument("--pp", type=int, default=1)
+    par.add_argument("--ep", type=int, default=1)
+    par.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: tp)")
+    par.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
+    par.add_argument("--seq-len", type=int, default=32)
+    par.add_argument("--batch", type=int, default=2)
+    par.add_argument("--tol", type=float, default=1e-4)
+    par.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    par.set_defaults(func=_cmd_check_parity)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

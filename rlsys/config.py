@@ -1,0 +1,339 @@
+"""The experiment config: one dataclass tree that YAML mirrors key for key.
+
+``load_config`` reads a YAML file, applies ``key.path=value`` overrides, and
+checks every key, type and field-level rule, raising ``ConfigError`` with the
+dotted path of the offending key (the generic key and type checking is in
+``rlsys.typed_yaml``; this module is the schema and its rules). Rules that need the model architecture
+(heads vs TP, layers vs PP, ...) live in ``rlsys.plan``.
+
+Each component receives only its own section (``Reward(cfg.reward)``), so a
+section never refers to another one; the few rules that span sections are
+checked here, in ``_check_cross_section``.
+"""
+
+from __future__ import annotations
+
+import copy
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from rlsys import typed_yaml
+from rlsys.errors import ConfigError
+
+Dtype = Literal["bf16", "fp16", "fp32"]
+Recompute = Literal["none", "selective", "full"]
+AlgorithmName = Literal["grpo", "ppo", "dapo", "gspo", "reinforce_pp", "rloo"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+# Used when neither model.path nor model.hf_config is given, the model-side twin
+# of data.path=None (the synthetic task): a run with no config is a smoke test.
+TINY_HF_CONFIG = {
+    "model_type": "qwen2",
+    "vocab_size": 1000,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+}
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None  # HF checkpoint directory (config.json, tokenizer, safetensors)
+    hf_config: dict | None = None  # inline config.json, to plan without weights; at most one of path/hf_config
+    dtype: Dtype = "bf16"  # parameter and compute dtype of the Megatron roles
+    make_vocab_size_divisible_by: int = 128  # Megatron pads the vocab to a multiple of this * tp
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1  # tensor parallel size
+    pp: int = 1  # pipeline parallel size
+    cp: int = 1  # context parallel size (CUDA only)
+    ep: int = 1  # expert parallel size (MoE only)
+    etp: int | None = None  # expert tensor parallel size; None = same as tp
+    vpp: int | None = None  # virtual pipeline stages per pp rank (interleaved 1F1B); None = off
+    # Uneven pipelines (Megatron num_layers_in_{first,last}_pipeline_stage), e.g. DeepSeek-V3's
+    # 61 layers over pp=16; the other stages split the remaining layers evenly. None = even split.
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    sequence_parallel: bool = False  # shard layernorm/dropout activations over tp (needs tp > 1)
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["adam", "sgd"] = "adam"
+    lr: float = 1e-6  # peak learning rate; RL fine-tuning uses small steps
+    min_lr: float = 0.0  # floor of the cosine/linear decay
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98  # slime's Megatron RL recipes use 0.98
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # global grad-norm clip; 0 disables it
+    lr_warmup_steps: int = 0  # optimizer steps of linear warmup
+    lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"
+    use_distributed_optimizer: bool = True  # shard fp32 master weights and moments over data parallel
+
+
+@dataclass
+class BatchConfig:
+    micro_batch_size: int = 1  # sequences per micro batch (ignored when packing by tokens)
+    # Token budget of a (packed) micro batch; None = micro_batch_size sequences.
+    max_tokens_per_microbatch: int | None = None
+    use_packing: bool = False  # pack sequences without padding (THD layout)
+
+
+@dataclass
+class RoleConfig:
+    """One Megatron model (actor, critic or reference) and how it is trained."""
+
+    enabled: bool = True  # actor must stay on; critic is only used by ppo; ref by a KL term
+    world_size: int | None = None  # ranks of this role; None = all devices (colocated) or what is left (disaggregated)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    recompute: Recompute = "none"  # activation recomputation granularity
+    offload: bool = False  # move weights/optimizer state to CPU while the rollout engines run
+
+
+@dataclass
+class SamplingConfig:
+    n: int = 8  # samples per prompt (the GRPO group size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 disables top-k, as in SGLang
+    max_new_tokens: int = 1024
+    stop: list[str] = field(default_factory=list)  # extra stop strings besides EOS
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["sglang", "cpu"] = "sglang"  # "cpu" is a slow HF-based engine for tests
+    tp: int = 1  # tensor parallel size of each engine
+    num_engines: int = 1  # engines launched; each takes tp devices
+    mem_fraction: float = 0.5  # share of device memory an engine may claim (static weights + KV cache)
+    urls: list[str] = field(default_factory=list)  # attach to running servers instead of launching engines
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass
+class AlgorithmConfig:
+    name: AlgorithmName = "grpo"
+    clip_low: float = 0.2  # ratio clip below 1 - clip_low
+    clip_high: float = 0.28  # ratio clip above 1 + clip_high (DAPO "clip-higher")
+    dual_clip: float | None = None  # dual-clip constant c > 1 for negative advantages; None = off
+    kl_coef: float = 0.001  # weight of the KL(actor || ref) term; 0 = no KL, ref can be disabled
+    kl_estimator: Literal["k1", "k2", "k3", "k3+"] = "k3"  # Schulman's estimators; k3+ = k3 with k2 gradient
+    use_kl_loss: bool = True  # KL as a loss term (GRPO) instead of a reward penalty (PPO-style)
+    entropy_coef: float = 0.0
+    loss_agg_mode: LossAggMode = "token-mean"  # how token losses are averaged into the batch loss
+    gamma: float = 1.0  # discount (ppo / reinforce_pp)
+    lam: float = 1.0  # GAE lambda (ppo)
+    norm_adv_by_std: bool = True  # divide group advantages by their std (GRPO); False = Dr. GRPO
+    ppo_epochs: int = 1  # passes over each rollout batch
+    mini_batches_per_step: int = 1  # optimizer steps per pass; 1 = strictly on-policy
+    tis_cap: float | None = None  # truncated importance sampling cap for rollout/train mismatch; None = off
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None  # JSONL or Parquet prompts; None = the built-in synthetic task
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"  # ground truth handed to the reward function
+    max_prompt_len: int = 1024  # tokens; longer prompts are dropped
+    prompts_per_step: int = 32  # prompts per RL step (each sampled n times)
+    shuffle: bool = True
+    chat_template: Literal["tokenizer", "plain"] = "tokenizer"  # apply the tokenizer's chat template or not
+
+
+@dataclass
+class RewardConfig:
+    name: str = "math"  # registry name, or a dotted path 'pkg.mod:fn'
+    timeout_s: float = 10.0  # per-sample limit; a timeout scores 0
+    num_workers: int = 4  # parallel reward processes
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 100  # RL steps (rollout + update)
+    output_dir: str = "outputs/run"
+    save_every: int = 50  # steps between checkpoints; 0 = only at the end
+    keep_last: int = 2  # checkpoints kept; 0 = keep all
+    seed: int = 42
+    resume: bool = True  # continue from the latest checkpoint in output_dir if there is one
+
+
+@dataclass
+class ClusterConfig:
+    nodes: int = 1
+    devices_per_node: int = 8
+    device: Literal["cpu", "cuda"] = "cuda"
+    colocate: bool = True  # training roles and rollout engines share all devices, taking turns
+    ray_address: str | None = None  # existing Ray cluster; None = start a local one
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 1  # steps between metric lines
+    tensorboard: bool = False  # write events under trainer.output_dir
+    wandb_project: str | None = None  # None = no wandb
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: RoleConfig = field(default_factory=RoleConfig)
+    critic: RoleConfig = field(
+        default_factory=lambda: RoleConfig(enabled=False, optimizer=OptimizerConfig(lr=1e-5))
+    )  # value models learn faster than the policy (verl's default critic lr)
+    ref: RoleConfig = field(default_factory=RoleConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+ROLES = ("actor", "critic", "ref")
+
+
+def config_to_dict(cfg: Any) -> dict:
+    """The plain-dict form of a config (or of any section), in field order."""
+    return typed_yaml.to_dict(cfg)
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    """The resolved config as YAML; ``load_config`` of it gives back an equal config."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def load_config(path: str | None, overrides: typing.Sequence[str] = ()) -> RunConfig:
+    """Load, override and check a config; ``path=None`` starts from the defaults.
+
+    Raises ``UserError`` for an unreadable or malformed file and ``ConfigError``
+    (with the dotted key path) for unknown keys, wrong types and broken rules.
+    """
+    raw = typed_yaml.read_yaml_file(path) if path is not None else {}
+    for override in overrides:
+        typed_yaml.apply_override(raw, override, RunConfig)
+    cfg = typed_yaml.merge(RunConfig(), raw, RunConfig, "")
+    if cfg.model.path is None and cfg.model.hf_config is None:
+        cfg.model.hf_config = copy.deepcopy(TINY_HF_CONFIG)
+    check_fields(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------- field-level rules
+
+
+def _need(ok: bool, path: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(path, f"{value!r} is invalid: {rule}")
+
+
+def _positive(section: Any, prefix: str, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        _need(value is None or value >= 1, f"{prefix}.{name}", value, "must be >= 1")
+
+
+def check_fields(cfg: RunConfig) -> None:
+    """Rules on single fields and between sections; no model needed."""
+    if cfg.model.path is not None and cfg.model.hf_config is not None:
+        raise ConfigError("model", "set exactly one of model.path and model.hf_config, not both")
+    _positive(cfg.model, "model", "make_vocab_size_divisible_by")
+    _need(cfg.actor.enabled, "actor.enabled", False, "the actor is always on")
+    for role in ROLES:
+        _check_role(getattr(cfg, role), role)
+    _check_rollout(cfg.rollout)
+    _check_algorithm(cfg.algorithm)
+    _positive(cfg.data, "data", "max_prompt_len", "prompts_per_step")
+    _need(cfg.reward.name.strip() != "", "reward.name", cfg.reward.name, "must name a reward function")
+    _need(cfg.reward.timeout_s > 0, "reward.timeout_s", cfg.reward.timeout_s, "must be > 0")
+    _positive(cfg.reward, "reward", "num_workers")
+    t = cfg.trainer
+    _positive(t, "trainer", "steps")
+    _need(t.save_every >= 0, "trainer.save_every", t.save_every, "must be >= 0 (0 = save only at the end)")
+    _need(t.keep_last >= 0, "trainer.keep_last", t.keep_last, "must be >= 0 (0 = keep all)")
+    _positive(cfg.cluster, "cluster", "nodes", "devices_per_node")
+    _positive(cfg.logging, "logging", "log_every")
+    _check_cross_section(cfg)
+
+
+def _check_role(role: RoleConfig, name: str) -> None:
+    _positive(role, name, "world_size")
+    parallel = ("tp", "pp", "cp", "ep", "etp", "vpp", "first_stage_layers", "last_stage_layers")
+    _positive(role.parallel, f"{name}.parallel", *parallel)
+    _positive(role.batch, f"{name}.batch", "micro_batch_size", "max_tokens_per_microbatch")
+    o, p = role.optimizer, f"{name}.optimizer"
+    _need(o.lr >= 0, f"{p}.lr", o.lr, "must be >= 0")
+    _need(0 <= o.min_lr <= o.lr, f"{p}.min_lr", o.min_lr, f"must be in [0, lr={o.lr}]")
+    _need(o.weight_decay >= 0, f"{p}.weight_decay", o.weight_decay, "must be >= 0")
+    for beta in ("adam_beta1", "adam_beta2"):
+        _need(0 <= getattr(o, beta) < 1, f"{p}.{beta}", getattr(o, beta), "must be in [0, 1)")
+    _need(o.adam_eps > 0, f"{p}.adam_eps", o.adam_eps, "must be > 0")
+    _need(o.clip_grad >= 0, f"{p}.clip_grad", o.clip_grad, "must be >= 0 (0 disables clipping)")
+    _need(o.lr_warmup_steps >= 0, f"{p}.lr_warmup_steps", o.lr_warmup_steps, "must be >= 0")
+
+
+def _check_rollout(r: RolloutConfig) -> None:
+    _positive(r, "rollout", "tp", "num_engines")
+    _need(0 < r.mem_fraction <= 1, "rollout.mem_fraction", r.mem_fraction, "must be in (0, 1]")
+    s = r.sampling
+    _positive(s, "rollout.sampling", "n", "max_new_tokens")
+    _need(s.temperature >= 0, "rollout.sampling.temperature", s.temperature, "must be >= 0")
+    _need(0 < s.top_p <= 1, "rollout.sampling.top_p", s.top_p, "must be in (0, 1]")
+    _need(s.top_k == -1 or s.top_k >= 1, "rollout.sampling.top_k", s.top_k, "must be -1 (off) or >= 1")
+
+
+def _check_algorithm(a: AlgorithmConfig) -> None:
+    _need(a.clip_low >= 0, "algorithm.clip_low", a.clip_low, "must be >= 0")
+    _need(a.clip_high >= 0, "algorithm.clip_high", a.clip_high, "must be >= 0")
+    _need(a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip", a.dual_clip, "must be > 1 (or null)")
+    _need(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "must be >= 0")
+    _need(a.entropy_coef >= 0, "algorithm.entropy_coef", a.entropy_coef, "must be >= 0")
+    _need(0 <= a.gamma <= 1, "algorithm.gamma", a.gamma, "must be in [0, 1]")
+    _need(0 <= a.lam <= 1, "algorithm.lam", a.lam, "must be in [0, 1]")
+    _positive(a, "algorithm", "ppo_epochs", "mini_batches_per_step")
+    _need(a.tis_cap is None or a.tis_cap > 0, "algorithm.tis_cap", a.tis_cap, "must be > 0 (or null)")
+
+
+# Algorithms whose advantage compares the samples of one prompt with each other.
+GROUP_ALGORITHMS = ("grpo", "dapo", "gspo", "rloo")
+
+
+def _check_cross_section(cfg: RunConfig) -> None:
+    a = cfg.algorithm
+    if a.name == "ppo":
+        _need(cfg.critic.enabled, "critic.enabled", False, "algorithm 'ppo' needs a critic (GAE)")
+    if a.name in GROUP_ALGORITHMS:
+        n = cfg.rollout.sampling.n
+        _need(n >= 2, "rollout.sampling.n", n, f"'{a.name}' compares samples of one prompt: needs n >= 2")
+    if a.kl_coef > 0:
+        _need(cfg.ref.enabled, "ref.enabled", False, "algorithm.kl_coef > 0 needs the reference model "
+              "(or set kl_coef: 0)")
+    samples = cfg.data.prompts_per_step * cfg.rollout.sampling.n
+    _need(
+        samples % a.mini_batches_per_step == 0,
+        "algorithm.mini_batches_per_step",
+        a.mini_batches_per_step,
+        f"must divide the samples per step (data.prompts_per_step * rollout.sampling.n = {samples})",
+    )
+    seq = cfg.data.max_prompt_len + cfg.rollout.sampling.max_new_tokens
+    for role in ROLES:
+        budget = getattr(cfg, role).batch.max_tokens_per_microbatch
+        _need(budget is None or budget >= seq, f"{role}.batch.max_tokens_per_microbatch", budget,
+              f"a micro batch must hold one whole sequence (data.max_prompt_len + sampling.max_new_tokens = {seq})")
+    if cfg.cluster.device == "cpu":
+        _need(cfg.rollout.engine == "cpu" or cfg.rollout.urls, "rollout.engine", cfg.rollout.engine,
+              "cluster.device 'cpu' cannot launch SGLang engines: use engine 'cpu' or attach with rollout.urls")

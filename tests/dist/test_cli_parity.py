@@ -1,0 +1,47 @@
+"""``rlsys check-parity`` end to end: the final line, and checkpoint errors raised inside the ranks."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
+
+
+def run_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "rlsys.cli", "check-parity", *args], capture_output=True, text=True, timeout=600
+    )
+
+
+def test_final_line_and_exit_code(tiny_checkpoints):
+    res = run_cli("--hf", tiny_checkpoints["qwen3"], "--tp", "2", "--seq-len", "16")
+    assert res.returncode == 0, res.stderr[-2000:]
+    last = res.stdout.strip().splitlines()[-1]
+    assert last.startswith("max_abs_logit_diff=") and float(last.split("=")[1]) < 1e-4
+
+
+def test_weights_that_do_not_match_config(make_checkpoint):
+    ckpt = make_checkpoint("llama")
+    cfg_path = f"{ckpt}/config.json"
+    cfg = json.load(open(cfg_path))
+    cfg["intermediate_size"] = 128
+    json.dump(cfg, open(cfg_path, "w"))
+    res = run_cli("--hf", ckpt, "--tp", "2")
+    assert res.returncode == 2
+    err = res.stderr.strip().splitlines()[-1]
+    assert err.startswith("error:") and "does not match its config.json" in err
+
+
+def test_checkpoint_with_tensors_the_model_does_not_use(make_checkpoint):
+    ckpt = make_checkpoint("qwen3", max_shard_size="10MB")
+    path = f"{ckpt}/model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(2, 2)
+    save_file(tensors, path, metadata={"format": "pt"})
+    res = run_cli("--hf", ckpt)
+    assert res.returncode == 2
+    assert "not used by the qwen3 model" in res.stderr.strip().splitlines()[-1]
