@@ -37,8 +37,16 @@ def _cmd_check_parity(args) -> int:
 
     arch = read_arch(args.hf)
     HFCheckpoint(args.hf)  # fail fast on a broken index before starting ranks
-    layout = ParityLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, vpp=args.vpp)
-    parallel = ParallelConfig(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, vpp=layout.vpp)
+    grid = dict(
+        tp=args.tp,
+        pp=args.pp,
+        ep=args.ep,
+        etp=args.etp,
+        vpp=args.vpp,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
+    )
+    layout, parallel = ParityLayout(**grid), ParallelConfig(**grid)
     try:
         check_parallel("layout", parallel, layout.world_size(), arch)
     except ConfigError as e:
@@ -74,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--ep", type=int, default=1)
     par.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: tp)")
     par.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
+    par.add_argument("--first-stage-layers", type=int, default=None, help="uneven pipeline: layers on stage 0")
+    par.add_argument("--last-stage-layers", type=int, default=None, help="uneven pipeline: layers on the last stage")
     par.add_argument("--seq-len", type=int, default=32)
     par.add_argument("--batch", type=int, default=2)
     par.add_argument("--tol", type=float, default=1e-4)

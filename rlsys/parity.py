@@ -28,6 +28,8 @@ class ParityLayout:
     ep: int = 1
     etp: int | None = None
     vpp: int | None = None
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     def world_size(self) -> int:
         """Smallest world that holds the grid: TP*PP and ETP*EP*PP must both divide it."""
@@ -61,7 +63,13 @@ def megatron_logits_on_rank(hf_dir: str, layout: ParityLayout, tokens: torch.Ten
     arch = read_arch(hf_dir)
     topo = build_topology(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, vpp=layout.vpp, device=device)
     try:
-        chunks, _ = build_model(arch, topo, dtype="fp32")
+        chunks, _ = build_model(
+            arch,
+            topo,
+            dtype="fp32",
+            first_stage_layers=layout.first_stage_layers,
+            last_stage_layers=layout.last_stage_layers,
+        )
         load_hf_weights(chunks, arch, topo, hf_dir)
         logits = forward_logits(chunks, topo, tokens, arch.vocab_size)
     finally:

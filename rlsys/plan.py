@@ -447,12 +447,14 @@ def _rollout_lines(plan: Plan) -> list[str]:
 
 def _memory_lines(plan: Plan) -> list[str]:
     cols = ("weights", "grads", "optimizer", "activations", "total")
-    lines = ["memory per rank, GiB (estimate; excludes logits, CUDA context, fragmentation):",
+    # Tiny CPU models would print as 0.00 GiB; pick the unit from the largest total.
+    unit, scale = ("GiB", GIB) if max(r.memory.total for r in plan.roles) >= GIB / 10 else ("MiB", 2**20)
+    lines = [f"memory per rank, {unit} (estimate; excludes logits, CUDA context, fragmentation):",
              f"  {'role':<8}" + "".join(f"{c:>13}" for c in cols)]
     for role in plan.roles:
         m = role.memory
         values = (m.weights, m.grads, m.optimizer, m.activations, m.total)
-        lines.append(f"  {role.name:<8}" + "".join(f"{v / GIB:>13.2f}" for v in values))
+        lines.append(f"  {role.name:<8}" + "".join(f"{v / scale:>13.2f}" for v in values))
     return lines
 
 

@@ -122,6 +122,9 @@ def make_tiny_hf_checkpoint(
     matters for the logits and layout mistakes cannot hide in tiny values.
     """
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     config = tiny_hf_config(model_type, **overrides)
     torch.manual_seed(seed)

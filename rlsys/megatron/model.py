@@ -219,11 +219,25 @@ def _fix_llama3_inv_freq(model: GPTModel, arch: ModelArch) -> None:
     model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq)
 
 
-def build_model(arch: ModelArch, topo: Topology, dtype: str = "fp32", vocab_divisible_by: int = 128, **overrides):
+def build_model(
+    arch: ModelArch,
+    topo: Topology,
+    dtype: str = "fp32",
+    vocab_divisible_by: int = 128,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+    **overrides,
+):
     """Build this rank's model chunks (one per virtual pipeline stage).
 
-    Returns ``(chunks, config)``; parameters are uninitialized until loaded.
+    ``first_stage_layers`` / ``last_stage_layers`` give an uneven pipeline
+    split (e.g. DeepSeek-V3's 61 layers); the other stages share the rest.
+    Returns ``(chunks, config)``; parameters hold zeros until loaded.
     """
+    if first_stage_layers is not None:
+        overrides["num_layers_in_first_pipeline_stage"] = first_stage_layers
+    if last_stage_layers is not None:
+        overrides["num_layers_in_last_pipeline_stage"] = last_stage_layers
     config = transformer_config(arch, topo, dtype, **overrides)
     vocab = padded_vocab_size(arch.vocab_size, vocab_divisible_by, topo.tp)
     stages = range(topo.vpp) if topo.vpp else [None]

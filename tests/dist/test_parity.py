@@ -23,6 +23,7 @@ CASES = [
     ("deepseek_v3", ParityLayout(tp=2)),
     ("deepseek_v3", ParityLayout(pp=2)),
     ("deepseek_v3", ParityLayout(ep=2)),
+    ("deepseek_v3", ParityLayout(pp=2, last_stage_layers=1)),  # uneven pipeline, as for 61-layer V3
 ]
 
 
