@@ -32,12 +32,14 @@ def _cmd_check_parity(args) -> int:
     from rlsys.convert.hf_checkpoint import HFCheckpoint
     from rlsys.convert.hf_config import read_arch
     from rlsys.errors import ConfigError
-    from rlsys.parity import ParityLayout, check_parity
+    from rlsys.local_ranks import launched_by_torchrun
+    from rlsys.parity import ParityLayout, check_parity, check_parity_in_group
     from rlsys.plan import check_parallel
 
     arch = read_arch(args.hf)
     HFCheckpoint(args.hf)  # fail fast on a broken index before starting ranks
     grid = dict(
+        dp=args.dp,
         tp=args.tp,
         pp=args.pp,
         ep=args.ep,
@@ -46,18 +48,25 @@ def _cmd_check_parity(args) -> int:
         first_stage_layers=args.first_stage_layers,
         last_stage_layers=args.last_stage_layers,
     )
-    layout, parallel = ParityLayout(**grid), ParallelConfig(**grid)
+    layout = ParityLayout(**grid)
+    parallel = ParallelConfig(**{k: v for k, v in grid.items() if k != "dp"})
     try:
         check_parallel("layout", parallel, layout.world_size(), arch)
     except ConfigError as e:
         raise UserError(f"--{e.path.rsplit('.', 1)[-1]} {e.message}") from None
-    print(
-        f"check-parity: {arch.model_type} from {args.hf} at TP={layout.tp} PP={layout.pp} EP={layout.ep}"
-        f"{f' VPP={layout.vpp}' if layout.vpp else ''} on {layout.world_size()} {args.device} rank(s), "
-        f"batch {args.batch} x {args.seq_len} tokens, fp32",
-        flush=True,
-    )
-    diff = check_parity(args.hf, layout, seq_len=args.seq_len, batch=args.batch, device=args.device)
+    run = dict(seq_len=args.seq_len, batch=args.batch, device=args.device)
+    if launched_by_torchrun():
+        diff = check_parity_in_group(args.hf, layout, **run)
+        if diff is None:  # not rank 0: rank 0 reports
+            return 0
+    else:
+        print(
+            f"check-parity: {arch.model_type} from {args.hf} at TP={layout.tp} PP={layout.pp} EP={layout.ep}"
+            f"{f' VPP={layout.vpp}' if layout.vpp else ''} on {layout.world_size()} {args.device} rank(s), "
+            f"batch {args.batch} x {args.seq_len} tokens, fp32",
+            flush=True,
+        )
+        diff = check_parity(args.hf, layout, **run)
     print(f"max_abs_logit_diff={diff:.3e}")
     if diff > args.tol:
         print(f"error: logits differ by {diff:.3e} > --tol {args.tol:g}", file=sys.stderr)
@@ -82,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--ep", type=int, default=1)
     par.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: tp)")
     par.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
+    par.add_argument("--dp", type=int, default=1, help="data-parallel replicas on top of the model grid")
     par.add_argument("--first-stage-layers", type=int, default=None, help="uneven pipeline: layers on stage 0")
     par.add_argument("--last-stage-layers", type=int, default=None, help="uneven pipeline: layers on the last stage")
     par.add_argument("--seq-len", type=int, default=32)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import tempfile
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ import torch
 
 from rlsys.convert.hf_config import read_arch
 from rlsys.errors import UserError
+from rlsys.local_ranks import set_rank_env, spawn_ranks
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,12 @@ class ParityLayout:
     vpp: int | None = None
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    dp: int = 1  # extra data-parallel replicas (each runs the same batch)
 
     def world_size(self) -> int:
-        """Smallest world that holds the grid: TP*PP and ETP*EP*PP must both divide it."""
+        """Smallest world that holds the grid (TP*PP and ETP*EP*PP both divide it), times ``dp``."""
         etp = self.etp or self.tp
-        return math.lcm(self.tp, etp * self.ep) * self.pp
+        return math.lcm(self.tp, etp * self.ep) * self.pp * self.dp
 
 
 def fixed_tokens(vocab_size: int, batch: int, seq_len: int, seed: int = 1234) -> torch.Tensor:
@@ -84,9 +85,7 @@ def _worker(rank: int, world: int, port: int, hf_dir: str, layout: ParityLayout,
     import torch.distributed as dist
 
     warnings.simplefilter("ignore")  # megatron and torch.distributed deprecation chatter, once per rank
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
-    )
+    set_rank_env(rank, world, port)
     torch.set_num_threads(1)
     from rlsys.topology import init_distributed
 
@@ -102,19 +101,6 @@ def _worker(rank: int, world: int, port: int, hf_dir: str, layout: ParityLayout,
         raise
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn_ranks(fn, world: int, *args) -> None:
-    """Run ``fn(rank, world, port, *args)`` in ``world`` fresh processes and wait for all."""
-    import torch.multiprocessing as mp
-
-    mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=True, start_method="spawn")
 
 
 def check_parity(hf_dir: str, layout: ParityLayout, seq_len: int = 32, batch: int = 2, device: str = "cpu") -> float:
@@ -133,7 +119,33 @@ def check_parity(hf_dir: str, layout: ParityLayout, seq_len: int = 32, batch: in
                     raise UserError(f.read()) from None
             raise
         ours = torch.load(out_path)
-    ref = hf_logits(hf_dir, tokens)
+    return _max_diff(ours, hf_logits(hf_dir, tokens))
+
+
+def check_parity_in_group(hf_dir: str, layout: ParityLayout, seq_len: int = 32, batch: int = 2, device: str = "cpu"):
+    """``check_parity`` for ranks started by torchrun/slurm; the result comes back on rank 0, else ``None``.
+
+    The reporting rank (last stage, TP 0, DP 0) also runs the HF reference, on CPU in fp32.
+    """
+    import torch.distributed as dist
+
+    from rlsys.topology import init_distributed
+
+    arch = read_arch(hf_dir)
+    init_distributed(device)
+    if dist.get_world_size() != layout.world_size():
+        raise UserError(f"the layout needs {layout.world_size()} ranks, the launcher started {dist.get_world_size()}")
+    tokens = fixed_tokens(arch.vocab_size, batch, seq_len)
+    logits = megatron_logits_on_rank(hf_dir, layout, tokens, device)
+    diff = torch.zeros(1, device="cuda" if device == "cuda" else "cpu")
+    if logits is not None:
+        diff += _max_diff(logits, hf_logits(hf_dir, tokens))
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    dist.destroy_process_group()
+    return diff.item() if int(os.environ["RANK"]) == 0 else None
+
+
+def _max_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
     if ref.std() < 1e-3:
         raise RuntimeError("reference logits are nearly constant; the parity check would prove nothing")
     return (ours - ref).abs().max().item()

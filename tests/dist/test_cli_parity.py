@@ -1,12 +1,15 @@
 """``rlsys check-parity`` end to end: the final line, and checkpoint errors raised inside the ranks."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
+from rlsys.local_ranks import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
@@ -45,3 +48,12 @@ def test_checkpoint_with_tensors_the_model_does_not_use(make_checkpoint):
     res = run_cli("--hf", ckpt)
     assert res.returncode == 2
     assert "not used by the qwen3 model" in res.stderr.strip().splitlines()[-1]
+
+
+def test_under_torchrun(tiny_checkpoints):
+    env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=str(free_port()))
+    res = subprocess.run(["bash", "launch/torchrun.sh", "2", "check-parity", "--hf", tiny_checkpoints["qwen2"],
+                          "--pp", "2", "--seq-len", "16"], capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = [line for line in res.stdout.splitlines() if line.startswith("max_abs_logit_diff=")]
+    assert len(lines) == 1 and float(lines[0].split("=")[1]) < 1e-4  # only rank 0 reports

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from rlsys.parity import spawn_ranks
+from rlsys.local_ranks import set_rank_env, spawn_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -16,7 +16,7 @@ def _worker(rank, world, port, layout, out_dir):
 
     from rlsys.topology import build_topology, destroy_topology, init_distributed
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    set_rank_env(rank, world, port)
     init_distributed("cpu")
     topo = build_topology(device="cpu", **layout)
     x = torch.tensor([float(rank + 1)])
