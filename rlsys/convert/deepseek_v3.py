@@ -46,13 +46,6 @@ def table(arch: ModelArch) -> ArchTable:
     return ArchTable(
         model=model_entries(arch),
         dense_layer=attention + dense_mlp(),
-        moe_layer=attention
-        + (
-            Rename("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
-            Rename("mlp.router.weight", "mlp.gate.weight"),
-            Rename("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias"),
-        )
-        + routed_experts()
-        + shared,
+        moe_layer=attention + routed_experts(expert_bias=arch.moe_expert_bias) + shared,
         skip_export=skip_export(arch),
     )

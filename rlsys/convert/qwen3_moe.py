@@ -8,8 +8,15 @@ from rlsys.convert.llama import dense_mlp, gqa_attention, model_entries, skip_ex
 from rlsys.convert.mapping import ArchTable, GatedMLP, Rename
 
 
-def routed_experts() -> tuple:
-    return (
+def routed_experts(expert_bias: bool = False) -> tuple:
+    """Pre-MLP norm, router (with DeepSeek's score-correction bias buffer) and the experts by global id."""
+    router = (
+        Rename("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+        Rename("mlp.router.weight", "mlp.gate.weight"),
+    )
+    if expert_bias:
+        router += (Rename("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias"),)
+    return router + (
         GatedMLP(
             "mlp.experts.local_experts.{E}.linear_fc1.weight",
             "mlp.experts.{E}.gate_proj.weight",
@@ -24,11 +31,6 @@ def table(arch: ModelArch) -> ArchTable:
     return ArchTable(
         model=model_entries(arch),
         dense_layer=attention + dense_mlp(),
-        moe_layer=attention
-        + (
-            Rename("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
-            Rename("mlp.router.weight", "mlp.gate.weight"),
-        )
-        + routed_experts(),
+        moe_layer=attention + routed_experts(),
         skip_export=skip_export(arch),
     )

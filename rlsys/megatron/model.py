@@ -11,8 +11,6 @@ score function, normalization and group-limited top-k.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
@@ -262,16 +260,3 @@ def build_model(
         model.to(topo.device)
         chunks.append(model)
     return chunks, config
-
-
-def config_summary(config: TransformerConfig) -> dict:
-    """The non-default TransformerConfig fields, for logs and plan output."""
-    out = {}
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if f.default is not dataclasses.MISSING and value == f.default:
-            continue
-        if callable(value):
-            value = getattr(value, "__name__", repr(value))
-        out[f.name] = value
-    return out

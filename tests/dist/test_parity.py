@@ -56,3 +56,8 @@ def test_llama3_rope_scaling_and_untied_qwen2(make_checkpoint):
 def test_moe_with_dense_layers_and_expert_tp(make_checkpoint):
     ckpt = make_checkpoint("qwen3_moe", mlp_only_layers=[0], norm_topk_prob=False)
     assert check_parity(ckpt, ParityLayout(tp=2, ep=2, etp=1), seq_len=24) < TOL
+
+
+def test_mla_without_q_lora(make_checkpoint):
+    ckpt = make_checkpoint("deepseek_v3", q_lora_rank=None, first_k_dense_replace=2)
+    assert check_parity(ckpt, ParityLayout(tp=2), seq_len=24) < TOL
