@@ -16,6 +16,7 @@ setup(
         "transformers>=5,<6",
         "safetensors>=0.4",
         "numpy",
+        "psutil",  # megatron dist_checkpointing writer processes need it
         "tqdm",
     ],
     extras_require={

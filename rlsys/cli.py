@@ -74,6 +74,12 @@ def _cmd_check_parity(args) -> int:
     return 0
 
 
+def _cmd_convert(args) -> int:
+    from rlsys.convert.cli import main as convert_main
+
+    return convert_main(args.rest, prog="rlsys convert")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlsys", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -99,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--tol", type=float, default=1e-4)
     par.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     par.set_defaults(func=_cmd_check_parity)
+
+    conv = sub.add_parser(
+        "convert", help="HF <-> Megatron checkpoints (same as python -m tools.convert)", add_help=False
+    )
+    conv.add_argument("rest", nargs=argparse.REMAINDER)
+    conv.set_defaults(func=_cmd_convert)
     return parser
 
 

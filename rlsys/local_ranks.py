@@ -1,14 +1,20 @@
-"""Start a small gloo/NCCL world on this machine without torchrun.
+"""Run a function on every rank of a small world: spawned here, or inside torchrun.
 
-Commands that need several ranks (``check-parity``, tests) start them
-themselves with ``spawn_ranks``; under torchrun or slurm the same commands run
-in the ranks the launcher made (``launched_by_torchrun``).
+Commands that need several ranks (``check-parity``, ``convert``) call
+``run_on_ranks``. Started plainly, it spawns the ranks on this machine (gloo
+on CPU, NCCL on CUDA); under torchrun or slurm it runs in the ranks the
+launcher made. A ``UserError`` raised on any rank reaches the caller as a
+``UserError`` (one line, exit code 2), not as a wall of tracebacks.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import tempfile
+import warnings
+
+from rlsys.errors import UserError
 
 
 def free_port() -> int:
@@ -36,3 +42,47 @@ def spawn_ranks(fn, world: int, *args) -> None:
     import torch.multiprocessing as mp
 
     mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=True, start_method="spawn")
+
+
+def _rank_main(rank: int, world: int, port: int, device: str, error_path: str, fn, args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from rlsys.topology import init_distributed
+
+    warnings.simplefilter("ignore")  # megatron and torch.distributed deprecation chatter, once per rank
+    set_rank_env(rank, world, port)
+    torch.set_num_threads(1)
+    init_distributed(device)
+    try:
+        fn(*args)
+    except UserError as e:
+        with open(error_path, "a") as f:
+            f.write(str(e) + "\n")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(fn, world: int, device: str, *args) -> None:
+    """Call ``fn(*args)`` on ``world`` ranks with the default process group initialized."""
+    if launched_by_torchrun():
+        import torch.distributed as dist
+
+        from rlsys.topology import init_distributed
+
+        init_distributed(device)
+        if dist.get_world_size() != world:
+            raise UserError(f"this layout needs {world} ranks; the launcher started {dist.get_world_size()}")
+        fn(*args)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        error_path = os.path.join(tmp, "user_error.txt")
+        try:
+            spawn_ranks(_rank_main, world, device, error_path, fn, args)
+        except Exception:
+            if os.path.exists(error_path):
+                with open(error_path) as f:
+                    raise UserError(f.readline().strip()) from None
+            raise

@@ -18,7 +18,7 @@ import torch
 
 from rlsys.convert.hf_config import read_arch
 from rlsys.errors import UserError
-from rlsys.local_ranks import set_rank_env, spawn_ranks
+from rlsys.local_ranks import run_on_ranks
 
 
 @dataclass(frozen=True)
@@ -79,28 +79,10 @@ def megatron_logits_on_rank(hf_dir: str, layout: ParityLayout, tokens: torch.Ten
     return logits.cpu() if reporter else None
 
 
-def _worker(rank: int, world: int, port: int, hf_dir: str, layout: ParityLayout, tokens, out_path: str, device: str):
-    import warnings
-
-    import torch.distributed as dist
-
-    warnings.simplefilter("ignore")  # megatron and torch.distributed deprecation chatter, once per rank
-    set_rank_env(rank, world, port)
-    torch.set_num_threads(1)
-    from rlsys.topology import init_distributed
-
-    init_distributed(device)
-    try:
-        logits = megatron_logits_on_rank(hf_dir, layout, tokens, device)
-        if logits is not None:
-            torch.save(logits, out_path)
-    except UserError as e:
-        # Hand the user's mistake to the launcher as one line; peers fail on the broken group.
-        with open(out_path + ".error", "w") as f:
-            f.write(str(e))
-        raise
-    finally:
-        dist.destroy_process_group()
+def _parity_rank(hf_dir: str, layout: ParityLayout, tokens, out_path: str, device: str) -> None:
+    logits = megatron_logits_on_rank(hf_dir, layout, tokens, device)
+    if logits is not None:
+        torch.save(logits, out_path)
 
 
 def check_parity(hf_dir: str, layout: ParityLayout, seq_len: int = 32, batch: int = 2, device: str = "cpu") -> float:
@@ -111,13 +93,7 @@ def check_parity(hf_dir: str, layout: ParityLayout, seq_len: int = 32, batch: in
     tokens = fixed_tokens(arch.vocab_size, batch, seq_len)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "logits.pt")
-        try:
-            spawn_ranks(_worker, layout.world_size(), hf_dir, layout, tokens, out_path, device)
-        except Exception:
-            if os.path.exists(out_path + ".error"):
-                with open(out_path + ".error") as f:
-                    raise UserError(f.read()) from None
-            raise
+        run_on_ranks(_parity_rank, layout.world_size(), device, hf_dir, layout, tokens, out_path, device)
         ours = torch.load(out_path)
     return _max_diff(ours, hf_logits(hf_dir, tokens))
 

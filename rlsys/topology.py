@@ -41,6 +41,7 @@ class Topology:
     ep_rank: int
     etp_rank: int
     dp_rank: int
+    edp_rank: int  # data-parallel rank in the expert grid (etp x ep x edp x pp)
     pg: object  # megatron.core.process_groups_config.ProcessGroupCollection
 
     @property
@@ -133,6 +134,7 @@ def build_topology(
         ep_rank=ps.get_expert_model_parallel_rank(),
         etp_rank=ps.get_expert_tensor_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
+        edp_rank=ps.get_expert_data_parallel_rank(),
         pg=ProcessGroupCollection.use_mpu_process_groups(),
     )
 

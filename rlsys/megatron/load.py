@@ -22,8 +22,11 @@ from rlsys.topology import Topology
 
 
 @torch.no_grad()
-def load_hf_weights(chunks, arch: ModelArch, topo: Topology, hf_dir: str) -> int:
-    """Copy HF weights into ``chunks``; returns the number of tensors loaded on this rank."""
+def load_hf_weights(chunks, arch: ModelArch, topo: Topology, hf_dir: str, progress=None) -> int:
+    """Copy HF weights into ``chunks``; returns the number of HF tensors read on this rank.
+
+    ``progress(nbytes)`` is called after each parameter, for progress bars.
+    """
     src = HFCheckpoint(hf_dir)
     table = table_for(arch)
     used: set[str] = set()
@@ -43,6 +46,8 @@ def load_hf_weights(chunks, arch: ModelArch, topo: Topology, hf_dir: str) -> int
                     )
                 p.tensor.copy_(shard.to(p.tensor.dtype))
                 used.update(p.hf_names)
+                if progress is not None:
+                    progress(shard.numel() * shard.element_size())
         _check_all_used(src, arch, used)
     finally:
         src.close()

@@ -224,12 +224,15 @@ def build_model(
     vocab_divisible_by: int = 128,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    padded_vocab: int | None = None,
     **overrides,
 ):
     """Build this rank's model chunks (one per virtual pipeline stage).
 
     ``first_stage_layers`` / ``last_stage_layers`` give an uneven pipeline
     split (e.g. DeepSeek-V3's 61 layers); the other stages share the rest.
+    ``padded_vocab`` keeps the vocab padding of a checkpoint saved at another
+    TP size (it must divide by this TP size).
     Returns ``(chunks, config)``; parameters hold zeros until loaded.
     """
     if first_stage_layers is not None:
@@ -237,7 +240,9 @@ def build_model(
     if last_stage_layers is not None:
         overrides["num_layers_in_last_pipeline_stage"] = last_stage_layers
     config = transformer_config(arch, topo, dtype, **overrides)
-    vocab = padded_vocab_size(arch.vocab_size, vocab_divisible_by, topo.tp)
+    vocab = padded_vocab or padded_vocab_size(arch.vocab_size, vocab_divisible_by, topo.tp)
+    if vocab % topo.tp or vocab < arch.vocab_size:
+        raise UserError(f"padded vocab {vocab} cannot be split over TP={topo.tp} (or is below vocab {arch.vocab_size})")
     stages = range(topo.vpp) if topo.vpp else [None]
     chunks = []
     for vp_stage in stages:

@@ -1,0 +1,236 @@
+"""HF <-> Megatron-core distributed checkpoints (``dist_checkpointing``, torch_dist format).
+
+Both directions run on the ranks of one layout (``run_on_ranks``: spawned
+here, or under torchrun for large models, each rank writing its own shards):
+
+* ``hf_to_mcore``: every rank builds its Megatron shard, reads only its slices
+  of the HF safetensors, and ``dist_checkpointing.save`` writes the sharded
+  state dict; rank 0 adds ``rlsys_meta.json`` and the HF side files (config,
+  tokenizer) under ``hf/``.
+* ``mcore_to_hf``: every rank builds its shard at the requested layout (any
+  layout: dist checkpoints reshard on load), loads it, and the exporter
+  streams full HF tensors to each stage's writer rank, which writes bounded
+  safetensors shards; rank 0 writes the index.
+
+Outputs are written to ``<out>.partial`` and renamed into place at the end,
+so a failed conversion leaves no half checkpoint behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+
+import torch.distributed as dist
+
+import rlsys
+from rlsys.convert.hf_config import arch_from_dict, load_hf_config, read_arch
+from rlsys.convert.hf_writer import (
+    DTYPES,
+    ShardWriter,
+    commit_output,
+    copy_side_files,
+    finalize,
+    partial_dir,
+    prepare_output,
+)
+from rlsys.errors import CheckpointError, UserError
+
+META_FILE = "rlsys_meta.json"
+HF_SIDE_DIR = "hf"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int | None = None
+
+    def world_size(self) -> int:
+        import math
+
+        return math.lcm(self.tp, (self.etp or self.tp) * self.ep) * self.pp
+
+
+def read_meta(mcore_dir: str) -> dict:
+    path = os.path.join(mcore_dir, META_FILE)
+    if not os.path.isdir(mcore_dir):
+        raise CheckpointError(f"Megatron checkpoint directory '{mcore_dir}' does not exist")
+    if not os.path.isfile(os.path.join(mcore_dir, "metadata.json")):
+        raise CheckpointError(f"'{mcore_dir}' is not a Megatron distributed checkpoint (no metadata.json)")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+        meta["hf_config"], meta["dtype"], meta["padded_vocab"]  # noqa: B018 (presence check)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"'{path}' is missing or invalid ({e!r}); was the checkpoint written by rlsys?") from None
+    return meta
+
+
+def _build(arch, layout: Layout, dtype: str, device: str, padded_vocab: int | None = None):
+    from rlsys.megatron.model import build_model
+    from rlsys.topology import build_topology
+
+    topo = build_topology(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, device=device)
+    chunks, _ = build_model(arch, topo, dtype=dtype, padded_vocab=padded_vocab)
+    return topo, chunks
+
+
+def _progress(enabled: bool, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled, mininterval=0.5)
+
+
+def hf_to_mcore_rank(hf_dir: str, out_dir: str, layout: Layout, dtype: str, device: str, overwrite: bool) -> None:
+    from megatron.core import dist_checkpointing
+
+    from rlsys.megatron.load import load_hf_weights
+    from rlsys.topology import destroy_topology
+
+    start, rank, tmp = time.time(), dist.get_rank(), partial_dir(out_dir)
+    if rank == 0:
+        prepare_output(out_dir, overwrite)
+    arch = read_arch(hf_dir)
+    topo, chunks = _build(arch, layout, dtype, device)
+    with _progress(rank == 0, "read HF") as bar:
+        count = load_hf_weights(chunks, arch, topo, hf_dir, progress=bar.update)
+    dist.barrier()  # the partial directory exists before anyone writes
+    dist_checkpointing.save(chunks[0].sharded_state_dict(), tmp)
+    if rank == 0:
+        side = os.path.join(tmp, HF_SIDE_DIR)
+        os.makedirs(side)
+        copy_side_files(hf_dir, side)
+        meta = dict(
+            format_version=FORMAT_VERSION,
+            rlsys_version=rlsys.__version__,
+            model_type=arch.model_type,
+            hf_config=load_hf_config(hf_dir),
+            dtype=dtype,
+            saved_layout=asdict(layout),
+            padded_vocab=chunks[0].vocab_size if hasattr(chunks[0], "vocab_size") else None,
+        )
+        with open(os.path.join(tmp, META_FILE), "w") as f:
+            json.dump(meta, f, indent=2)
+    destroy_topology()
+    dist.barrier()
+    if rank == 0:
+        commit_output(tmp, out_dir)
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out_dir) for f in fs)
+        print(f"hf-to-mcore: {count} HF tensors -> {out_dir} ({size / 2**20:.1f} MiB) in {time.time() - start:.1f}s")
+
+
+def mcore_to_hf_rank(
+    mcore_dir: str, out_dir: str, layout: Layout, dtype: str | None, device: str, max_shard_bytes: int, overwrite: bool
+) -> None:
+    from megatron.core import dist_checkpointing
+
+    from rlsys.megatron.export import iter_hf_tensors
+    from rlsys.topology import destroy_topology
+
+    start, rank, tmp = time.time(), dist.get_rank(), partial_dir(out_dir)
+    if rank == 0:
+        prepare_output(out_dir, overwrite)
+    meta = read_meta(mcore_dir)
+    arch = arch_from_dict(meta["hf_config"])
+    topo, chunks = _build(arch, layout, meta["dtype"], device, padded_vocab=meta["padded_vocab"])
+    state = dist_checkpointing.load(chunks[0].sharded_state_dict(), mcore_dir)
+    chunks[0].load_state_dict(state)
+    dist.barrier()  # the partial directory exists before anyone writes
+    writer = ShardWriter(tmp, part=rank, max_shard_bytes=max_shard_bytes, dtype=DTYPES[dtype] if dtype else None)
+    with _progress(rank == 0, "write HF") as bar:
+        for name, tensor in iter_hf_tensors(chunks, arch, topo):
+            writer.add(name, tensor)
+            bar.update(tensor.numel() * tensor.element_size())
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (writer.close(), writer.tensors, writer.bytes))
+    destroy_topology()
+    if rank == 0:
+        tensors, total = sum(p[1] for p in parts), sum(p[2] for p in parts)
+        shards = finalize(tmp, [p[0] for p in parts], total)
+        _write_hf_side_files(mcore_dir, tmp, meta, dtype)
+        commit_output(tmp, out_dir)
+        print(
+            f"mcore-to-hf: {tensors} tensors, {total / 2**20:.1f} MiB in {shards} shard(s) -> {out_dir} "
+            f"in {time.time() - start:.1f}s"
+        )
+
+
+def _write_hf_side_files(mcore_dir: str, out: str, meta: dict, dtype: str | None) -> None:
+    side = os.path.join(mcore_dir, HF_SIDE_DIR)
+    if os.path.isdir(side):
+        for name in os.listdir(side):
+            shutil.copy2(os.path.join(side, name), os.path.join(out, name))
+    config = dict(meta["hf_config"])
+    config["dtype"] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype or meta["dtype"]]
+    config.pop("torch_dtype", None)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def verify_rank(hf_dir: str, mcore_dir: str, device: str, report_path: str) -> None:
+    """Export the Megatron checkpoint at TP=PP=1 and compare tensor by tensor with the HF checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    from rlsys.convert.hf_checkpoint import HFCheckpoint
+    from rlsys.megatron.export import iter_hf_tensors
+    from rlsys.topology import destroy_topology
+
+    meta = read_meta(mcore_dir)
+    arch = arch_from_dict(meta["hf_config"])
+    topo, chunks = _build(arch, Layout(), meta["dtype"], device, padded_vocab=meta["padded_vocab"])
+    chunks[0].load_state_dict(dist_checkpointing.load(chunks[0].sharded_state_dict(), mcore_dir))
+    src = HFCheckpoint(hf_dir)
+    seen, worst, worst_name, missing = set(), 0.0, None, []
+    for name, ours in iter_hf_tensors(chunks, arch, topo):
+        seen.add(name)
+        if name not in src:
+            missing.append(name)
+            continue
+        ref = src.read(name)
+        if tuple(ref.shape) != tuple(ours.shape):
+            raise CheckpointError(f"'{name}': HF shape {tuple(ref.shape)} vs Megatron {tuple(ours.shape)}")
+        diff = (ours.float() - ref.float()).abs().max().item() if ref.numel() else 0.0
+        if diff >= worst:
+            worst, worst_name = diff, name
+    destroy_topology()
+    unexpected = [n for n in src.names() if n not in seen]
+    with open(report_path, "w") as f:
+        json.dump(
+            dict(
+                compared=len(seen) - len(missing),
+                max_abs_diff=worst,
+                worst=worst_name,
+                missing_in_hf=missing,
+                missing_in_mcore=unexpected,
+            ),
+            f,
+        )
+
+
+def check_layout(arch_source: dict, layout: Layout) -> None:
+    """Layout rules against the model, as CLI flag errors."""
+    from rlsys.config import ParallelConfig
+    from rlsys.errors import ConfigError
+    from rlsys.plan import check_parallel
+
+    arch = arch_from_dict(arch_source)
+    try:
+        check_parallel(
+            "layout",
+            ParallelConfig(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp),
+            layout.world_size(),
+            arch,
+        )
+    except ConfigError as e:
+        raise UserError(f"--{e.path.rsplit('.', 1)[-1]} {e.message}") from None
+
+
+def default_dtype(hf_config: dict) -> str:
+    name = str(hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32")
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(name, "fp32")

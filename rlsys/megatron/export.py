@@ -1,0 +1,66 @@
+"""Megatron shards -> full HF-named tensors, streamed.
+
+A collective over the model grid: every rank calls ``iter_hf_tensors`` and
+the *writer* ranks receive the merged HF tensors, one Megatron parameter at a
+time, so no rank ever holds more than one full parameter beyond its shard.
+
+Who writes what (no tensor crosses a pipeline stage or an expert-parallel
+rank; each stage exports its own layers):
+
+* dense parameters: the rank with TP rank 0 and DP rank 0 of each stage, after
+  an all-gather over its TP group;
+* expert parameters: the rank with expert-TP rank 0 and expert-DP rank 0 of
+  each (stage, EP rank), after an all-gather over its expert-TP group.
+
+Data-parallel replicas other than the writer's skip the work entirely.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from rlsys.convert.hf_config import ModelArch
+from rlsys.convert.registry import table_for
+from rlsys.megatron.params import MappedParam, iter_mapped_params
+from rlsys.topology import Topology
+
+
+def _gather(p: MappedParam, group) -> list[torch.Tensor]:
+    local = p.tensor.detach().contiguous()
+    if p.shard.size == 1 or p.shard.dim is None:
+        return [local]
+    shards = [torch.empty_like(local) for _ in range(p.shard.size)]
+    dist.all_gather(shards, local, group=group)
+    return shards
+
+
+def is_dense_writer(topo: Topology) -> bool:
+    return topo.tp_rank == 0 and topo.dp_rank == 0 and topo.cp_rank == 0
+
+
+def is_expert_writer(topo: Topology) -> bool:
+    return topo.etp_rank == 0 and topo.edp_rank == 0
+
+
+@torch.no_grad()
+def iter_hf_tensors(chunks, arch: ModelArch, topo: Topology) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` on writer ranks; other ranks yield nothing but must iterate too."""
+    table = table_for(arch)
+    params = [p for chunk in chunks for p in iter_mapped_params(chunk, arch, table, topo) if not p.skip_export]
+    # Dense first, then experts: the two passes use different groups, and every member
+    # of a group walks the same parameters in the same order.
+    passes = (
+        ([p for p in params if not p.is_expert], topo.dp_rank == 0 and topo.cp_rank == 0, topo.pg.tp,
+         is_dense_writer(topo)),
+        ([p for p in params if p.is_expert], topo.edp_rank == 0, topo.pg.expt_tp, is_expert_writer(topo)),
+    )
+    for group_params, participates, group, writes in passes:
+        if not participates:
+            continue
+        for p in group_params:
+            shards = _gather(p, group)
+            if writes:
+                yield from p.transform.to_hf(shards, p.shard.dim, p.hf_names, arch).items()

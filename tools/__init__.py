@@ -1,0 +1,1 @@
+"""Command-line tools that sit beside the rlsys package."""

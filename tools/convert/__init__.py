@@ -1,0 +1,1 @@
+"""Checkpoint conversion: a thin entry point over ``rlsys.convert.cli``."""

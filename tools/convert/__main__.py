@@ -1,0 +1,5 @@
+import sys
+
+from rlsys.convert.cli import main
+
+sys.exit(main())
