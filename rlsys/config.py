@@ -320,8 +320,9 @@ def _check_cross_section(cfg: RunConfig) -> None:
         n = cfg.rollout.sampling.n
         _need(n >= 2, "rollout.sampling.n", n, f"'{a.name}' compares samples of one prompt: needs n >= 2")
     if a.kl_coef > 0:
-        _need(cfg.ref.enabled, "ref.enabled", False, "algorithm.kl_coef > 0 needs the reference model "
-              "(or set kl_coef: 0)")
+        _need(
+            cfg.ref.enabled, "ref.enabled", False, "algorithm.kl_coef > 0 needs the reference model (or set kl_coef: 0)"
+        )
     samples = cfg.data.prompts_per_step * cfg.rollout.sampling.n
     _need(
         samples % a.mini_batches_per_step == 0,
@@ -332,8 +333,16 @@ def _check_cross_section(cfg: RunConfig) -> None:
     seq = cfg.data.max_prompt_len + cfg.rollout.sampling.max_new_tokens
     for role in ROLES:
         budget = getattr(cfg, role).batch.max_tokens_per_microbatch
-        _need(budget is None or budget >= seq, f"{role}.batch.max_tokens_per_microbatch", budget,
-              f"a micro batch must hold one whole sequence (data.max_prompt_len + sampling.max_new_tokens = {seq})")
+        _need(
+            budget is None or budget >= seq,
+            f"{role}.batch.max_tokens_per_microbatch",
+            budget,
+            f"a micro batch must hold one whole sequence (data.max_prompt_len + sampling.max_new_tokens = {seq})",
+        )
     if cfg.cluster.device == "cpu":
-        _need(cfg.rollout.engine == "cpu" or cfg.rollout.urls, "rollout.engine", cfg.rollout.engine,
-              "cluster.device 'cpu' cannot launch SGLang engines: use engine 'cpu' or attach with rollout.urls")
+        _need(
+            cfg.rollout.engine == "cpu" or cfg.rollout.urls,
+            "rollout.engine",
+            cfg.rollout.engine,
+            "cluster.device 'cpu' cannot launch SGLang engines: use engine 'cpu' or attach with rollout.urls",
+        )

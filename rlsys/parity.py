@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from rlsys.convert.hf_config import read_arch
+from rlsys.convert.mcore_checkpoint import read_meta
 from rlsys.errors import UserError
 from rlsys.local_ranks import run_on_ranks
 
@@ -54,14 +55,20 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
         return model(input_ids=tokens).logits.float()
 
 
-def megatron_logits_on_rank(hf_dir: str, layout: ParityLayout, tokens: torch.Tensor, device: str = "cpu"):
-    """Run on every rank of an initialized process group; the logits come back on one rank."""
+def megatron_logits_on_rank(
+    hf_dir: str, layout: ParityLayout, tokens: torch.Tensor, device: str = "cpu", mcore_dir: str | None = None
+):
+    """Run on every rank of an initialized process group; the logits come back on one rank.
+
+    Weights come from the HF checkpoint, or from an rlsys Megatron checkpoint when ``mcore_dir`` is given.
+    """
     from rlsys.megatron.forward import forward_logits
     from rlsys.megatron.load import load_hf_weights
     from rlsys.megatron.model import build_model
     from rlsys.topology import build_topology, destroy_topology
 
     arch = read_arch(hf_dir)
+    meta = read_meta(mcore_dir) if mcore_dir else {}
     topo = build_topology(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, vpp=layout.vpp, device=device)
     try:
         chunks, _ = build_model(
@@ -70,8 +77,14 @@ def megatron_logits_on_rank(hf_dir: str, layout: ParityLayout, tokens: torch.Ten
             dtype="fp32",
             first_stage_layers=layout.first_stage_layers,
             last_stage_layers=layout.last_stage_layers,
+            padded_vocab=meta.get("padded_vocab"),
         )
-        load_hf_weights(chunks, arch, topo, hf_dir)
+        if mcore_dir:
+            from megatron.core import dist_checkpointing
+
+            chunks[0].load_state_dict(dist_checkpointing.load(chunks[0].sharded_state_dict(), mcore_dir))
+        else:
+            load_hf_weights(chunks, arch, topo, hf_dir)
         logits = forward_logits(chunks, topo, tokens, arch.vocab_size)
     finally:
         destroy_topology()
@@ -79,10 +92,20 @@ def megatron_logits_on_rank(hf_dir: str, layout: ParityLayout, tokens: torch.Ten
     return logits.cpu() if reporter else None
 
 
-def _parity_rank(hf_dir: str, layout: ParityLayout, tokens, out_path: str, device: str) -> None:
-    logits = megatron_logits_on_rank(hf_dir, layout, tokens, device)
+def _parity_rank(hf_dir: str, layout: ParityLayout, tokens, out_path: str, device: str, mcore_dir=None) -> None:
+    logits = megatron_logits_on_rank(hf_dir, layout, tokens, device, mcore_dir)
     if logits is not None:
         torch.save(logits, out_path)
+
+
+def megatron_logits(
+    hf_dir: str, layout: ParityLayout, tokens: torch.Tensor, device: str = "cpu", mcore_dir: str | None = None
+) -> torch.Tensor:
+    """Full logits of Megatron at ``layout`` for ``tokens``, computed on freshly spawned ranks."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "logits.pt")
+        run_on_ranks(_parity_rank, layout.world_size(), device, hf_dir, layout, tokens, out_path, device, mcore_dir)
+        return torch.load(out_path)
 
 
 def check_parity(hf_dir: str, layout: ParityLayout, seq_len: int = 32, batch: int = 2, device: str = "cpu") -> float:
@@ -91,11 +114,7 @@ def check_parity(hf_dir: str, layout: ParityLayout, seq_len: int = 32, batch: in
     if device == "cuda" and torch.cuda.device_count() < layout.world_size():
         raise UserError(f"layout needs {layout.world_size()} GPUs, {torch.cuda.device_count()} visible")
     tokens = fixed_tokens(arch.vocab_size, batch, seq_len)
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "logits.pt")
-        run_on_ranks(_parity_rank, layout.world_size(), device, hf_dir, layout, tokens, out_path, device)
-        ours = torch.load(out_path)
-    return _max_diff(ours, hf_logits(hf_dir, tokens))
+    return _max_diff(megatron_logits(hf_dir, layout, tokens, device), hf_logits(hf_dir, tokens))
 
 
 def check_parity_in_group(hf_dir: str, layout: ParityLayout, seq_len: int = 32, batch: int = 2, device: str = "cpu"):

@@ -92,16 +92,20 @@ def _check_devices(cfg: RunConfig, sizes: dict[str, int]) -> None:
             if size > total:
                 raise ConfigError(f"{role}.world_size", f"{size} is invalid: more devices than {have}")
         if rollout_devices(cfg) > total:
-            raise ConfigError("rollout.num_engines", f"{cfg.rollout.num_engines} engines x tp {cfg.rollout.tp} need "
-                              f"{rollout_devices(cfg)} devices, more than {have}")
+            raise ConfigError(
+                "rollout.num_engines",
+                f"{cfg.rollout.num_engines} engines x tp {cfg.rollout.tp} need "
+                f"{rollout_devices(cfg)} devices, more than {have}",
+            )
         return
     needed = sizes["actor"] + sizes.get("critic", 0) + rollout_devices(cfg)
     if sizes["actor"] < 1 or needed > total:
         parts = f"actor {sizes['actor']} + critic {sizes.get('critic', 0)} + rollout {rollout_devices(cfg)}"
         raise ConfigError("cluster", f"disaggregated roles need {parts} = {needed} devices, but {have}")
     if sizes.get("ref", 0) > sizes["actor"]:
-        raise ConfigError("ref.world_size", f"{sizes['ref']} is invalid: ref runs on the actor's "
-                          f"{sizes['actor']} devices")
+        raise ConfigError(
+            "ref.world_size", f"{sizes['ref']} is invalid: ref runs on the actor's {sizes['actor']} devices"
+        )
 
 
 # ------------------------------------------------------------------- layout
@@ -120,11 +124,16 @@ def _check_role(name: str, role: RoleConfig, size: int, arch: ModelArch, cfg: Ru
     p, key = role.parallel, f"{name}.parallel"
     if size % (p.tp * p.pp * p.cp):
         derived = "" if role.world_size else " (unset: derived from the cluster)"
-        raise ConfigError(f"{name}.world_size", f"{size}{derived} is not divisible by tp*pp*cp = "
-                          f"{p.tp}*{p.pp}*{p.cp} = {p.tp * p.pp * p.cp}")
+        raise ConfigError(
+            f"{name}.world_size",
+            f"{size}{derived} is not divisible by tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {p.tp * p.pp * p.cp}",
+        )
     if p.cp > 1 and cfg.cluster.device != "cuda":
-        raise ConfigError(f"{key}.cp", f"{p.cp} is invalid: context parallelism needs cluster.device 'cuda' "
-                          "(CPU attention cannot split sequences)")
+        raise ConfigError(
+            f"{key}.cp",
+            f"{p.cp} is invalid: context parallelism needs cluster.device 'cuda' "
+            "(CPU attention cannot split sequences)",
+        )
     check_parallel(key, p, size, arch)
     if name != "ref":
         _check_batch_split(name, size // (p.tp * p.pp * p.cp), cfg)
@@ -146,8 +155,9 @@ def check_parallel(key: str, p: ParallelConfig, size: int, arch: ModelArch) -> N
     if has_dense_layer and arch.ffn_hidden_size % p.tp:
         raise ConfigError(f"{key}.tp", f"{p.tp} does not divide the MLP width intermediate_size={arch.ffn_hidden_size}")
     if arch.shared_expert_ffn_hidden_size % p.tp:
-        raise ConfigError(f"{key}.tp", f"{p.tp} does not divide the shared-expert width "
-                          f"{arch.shared_expert_ffn_hidden_size}")
+        raise ConfigError(
+            f"{key}.tp", f"{p.tp} does not divide the shared-expert width {arch.shared_expert_ffn_hidden_size}"
+        )
     if arch.mla:
         _check_mla(key, p.tp, arch)
     # The vocab needs no rule: Megatron pads it to a multiple of make_vocab_size_divisible_by * tp.
@@ -156,8 +166,10 @@ def check_parallel(key: str, p: ParallelConfig, size: int, arch: ModelArch) -> N
 
 def _check_mla(key: str, tp: int, arch: ModelArch) -> None:
     # Without transformer-engine the MLA down-projections are column-parallel over TP.
-    for what, width in (("q_lora_rank", arch.q_lora_rank or 0), ("kv_lora_rank + qk_rope_head_dim",
-                                                                 arch.kv_lora_rank + arch.qk_rope_head_dim)):
+    for what, width in (
+        ("q_lora_rank", arch.q_lora_rank or 0),
+        ("kv_lora_rank + qk_rope_head_dim", arch.kv_lora_rank + arch.qk_rope_head_dim),
+    ):
         if width % tp:
             raise ConfigError(f"{key}.tp", f"{tp} does not divide the MLA {what}={width}")
 
@@ -171,8 +183,11 @@ def _check_attention(key: str, tp: int, arch: ModelArch) -> None:
     if not arch.mla and kv % tp:
         # Megatron-core 0.16 accepts kv < tp, but that path reads the TP rank from the
         # global parallel_state, which is the wrong grid once actor, ref and critic differ.
-        raise ConfigError(f"{key}.tp", f"{tp} does not divide num_key_value_heads={kv}. Megatron-core 0.16 needs "
-                          f"the query groups split evenly over TP in rlsys's multi-grid setup; use tp in {ok}")
+        raise ConfigError(
+            f"{key}.tp",
+            f"{tp} does not divide num_key_value_heads={kv}. Megatron-core 0.16 needs "
+            f"the query groups split evenly over TP in rlsys's multi-grid setup; use tp in {ok}",
+        )
 
 
 def _check_pipeline(key: str, p: ParallelConfig, arch: ModelArch) -> None:
@@ -181,15 +196,21 @@ def _check_pipeline(key: str, p: ParallelConfig, arch: ModelArch) -> None:
         if p.pp == 1:
             raise ConfigError(f"{key}.vpp", f"{p.vpp} is invalid: virtual pipeline stages need pp > 1")
         if uneven:
-            raise ConfigError(f"{key}.vpp", f"{p.vpp} is invalid: rlsys does not combine vpp with "
-                              "first_stage_layers/last_stage_layers")
+            raise ConfigError(
+                f"{key}.vpp",
+                f"{p.vpp} is invalid: rlsys does not combine vpp with first_stage_layers/last_stage_layers",
+            )
         if layers % (p.pp * p.vpp):
-            raise ConfigError(f"{key}.vpp", f"{p.vpp} is invalid: num_layers={layers} is not divisible by "
-                              f"pp*vpp = {p.pp * p.vpp}")
+            raise ConfigError(
+                f"{key}.vpp", f"{p.vpp} is invalid: num_layers={layers} is not divisible by pp*vpp = {p.pp * p.vpp}"
+            )
     if not uneven:
         if layers % p.pp:
-            raise ConfigError(f"{key}.pp", f"{p.pp} does not divide num_layers={layers} "
-                              "(set first_stage_layers/last_stage_layers for an uneven split)")
+            raise ConfigError(
+                f"{key}.pp",
+                f"{p.pp} does not divide num_layers={layers} "
+                "(set first_stage_layers/last_stage_layers for an uneven split)",
+            )
         return
     if p.pp == 1:
         raise ConfigError(f"{key}.pp", "1 is invalid: first_stage_layers/last_stage_layers need pp > 1")
@@ -197,8 +218,11 @@ def _check_pipeline(key: str, p: ParallelConfig, arch: ModelArch) -> None:
     others = p.pp - (p.first_stage_layers is not None) - (p.last_stage_layers is not None)
     rest = layers - fixed
     if rest < 0 or (others == 0 and rest != 0) or (others > 0 and (rest == 0 or rest % others)):
-        raise ConfigError(f"{key}.pp", f"{p.pp} is invalid: num_layers={layers} minus first/last stage layers "
-                          f"({fixed}) = {rest} does not split evenly over the other {others} stages")
+        raise ConfigError(
+            f"{key}.pp",
+            f"{p.pp} is invalid: num_layers={layers} minus first/last stage layers "
+            f"({fixed}) = {rest} does not split evenly over the other {others} stages",
+        )
 
 
 def _check_experts(key: str, p: ParallelConfig, size: int, arch: ModelArch) -> None:
@@ -210,8 +234,11 @@ def _check_experts(key: str, p: ParallelConfig, size: int, arch: ModelArch) -> N
     if arch.num_experts % p.ep:
         raise ConfigError(f"{key}.ep", f"{p.ep} does not divide num_experts={arch.num_experts}")
     if size % (etp * p.ep * p.pp):
-        raise ConfigError(f"{key}.ep", f"{p.ep} is invalid: world size {size} is not divisible by etp*ep*pp = "
-                          f"{etp}*{p.ep}*{p.pp} = {etp * p.ep * p.pp}")
+        raise ConfigError(
+            f"{key}.ep",
+            f"{p.ep} is invalid: world size {size} is not divisible by etp*ep*pp = "
+            f"{etp}*{p.ep}*{p.pp} = {etp * p.ep * p.pp}",
+        )
     if arch.moe_ffn_hidden_size % etp:
         raise ConfigError(f"{key}.etp", f"{etp} does not divide moe_intermediate_size={arch.moe_ffn_hidden_size}")
 
@@ -220,9 +247,12 @@ def _check_batch_split(name: str, dp: int, cfg: RunConfig) -> None:
     # Every data-parallel rank must get the same number of samples per optimizer step.
     samples = cfg.data.prompts_per_step * cfg.rollout.sampling.n // cfg.algorithm.mini_batches_per_step
     if samples % dp:
-        raise ConfigError("data.prompts_per_step", f"{cfg.data.prompts_per_step} is invalid: a mini-batch of "
-                          f"{samples} samples (prompts_per_step * sampling.n / mini_batches_per_step) does not "
-                          f"split over {name} DP={dp}")
+        raise ConfigError(
+            "data.prompts_per_step",
+            f"{cfg.data.prompts_per_step} is invalid: a mini-batch of "
+            f"{samples} samples (prompts_per_step * sampling.n / mini_batches_per_step) does not "
+            f"split over {name} DP={dp}",
+        )
 
 
 def _check_rollout(cfg: RunConfig, arch: ModelArch) -> None:
@@ -233,9 +263,12 @@ def _check_rollout(cfg: RunConfig, arch: ModelArch) -> None:
         raise ConfigError("rollout.tp", f"{r.tp} does not divide the cluster's {total_devices(cfg)} devices")
     seq = sequence_length(cfg)
     if seq > arch.max_position_embeddings:
-        raise ConfigError("rollout.sampling.max_new_tokens", f"{r.sampling.max_new_tokens} is invalid: prompt "
-                          f"{cfg.data.max_prompt_len} + new tokens = {seq} exceeds the model's "
-                          f"max_position_embeddings={arch.max_position_embeddings}")
+        raise ConfigError(
+            "rollout.sampling.max_new_tokens",
+            f"{r.sampling.max_new_tokens} is invalid: prompt "
+            f"{cfg.data.max_prompt_len} + new tokens = {seq} exceeds the model's "
+            f"max_position_embeddings={arch.max_position_embeddings}",
+        )
 
 
 def sequence_length(cfg: RunConfig) -> int:
@@ -328,8 +361,16 @@ class Plan:
 
 def role_grid(role: RoleConfig, world_size: int) -> Grid:
     p, etp = role.parallel, _expert_tp(role)
-    return Grid(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=etp, dp=world_size // (p.tp * p.pp * p.cp),
-                expert_dp=world_size // (etp * p.ep * p.pp), vpp=p.vpp)
+    return Grid(
+        tp=p.tp,
+        pp=p.pp,
+        cp=p.cp,
+        ep=p.ep,
+        etp=etp,
+        dp=world_size // (p.tp * p.pp * p.cp),
+        expert_dp=world_size // (etp * p.ep * p.pp),
+        vpp=p.vpp,
+    )
 
 
 def rank_coords(rank: int, grid: Grid) -> dict[str, int]:
@@ -351,13 +392,25 @@ def _role_shape(name: str, role: RoleConfig, grid: Grid, cfg: RunConfig) -> Role
     seq = sequence_length(cfg)
     tokens = role.batch.max_tokens_per_microbatch or role.batch.micro_batch_size * seq
     return RoleShape(
-        tp=grid.tp, pp=grid.pp, ep=grid.ep, etp=grid.etp, first_stage_layers=role.parallel.first_stage_layers,
-        last_stage_layers=role.parallel.last_stage_layers, cp=grid.cp, dp=grid.dp, expert_dp=grid.expert_dp,
-        vocab_divisible_by=cfg.model.make_vocab_size_divisible_by, value_head=name == "critic",
-        dtype=cfg.model.dtype, trains=name != "ref", optimizer=role.optimizer.name,
+        tp=grid.tp,
+        pp=grid.pp,
+        ep=grid.ep,
+        etp=grid.etp,
+        first_stage_layers=role.parallel.first_stage_layers,
+        last_stage_layers=role.parallel.last_stage_layers,
+        cp=grid.cp,
+        dp=grid.dp,
+        expert_dp=grid.expert_dp,
+        vocab_divisible_by=cfg.model.make_vocab_size_divisible_by,
+        value_head=name == "critic",
+        dtype=cfg.model.dtype,
+        trains=name != "ref",
+        optimizer=role.optimizer.name,
         distributed_optimizer=role.optimizer.use_distributed_optimizer,
-        sequence_parallel=role.parallel.sequence_parallel, recompute=role.recompute,
-        tokens_per_microbatch=tokens, seq_len=min(seq, tokens),
+        sequence_parallel=role.parallel.sequence_parallel,
+        recompute=role.recompute,
+        tokens_per_microbatch=tokens,
+        seq_len=min(seq, tokens),
     )
 
 
@@ -372,11 +425,19 @@ def _role_plan(name: str, size: int, offset: int, cfg: RunConfig, arch: ModelArc
     shape = _role_shape(name, role, grid, cfg)
     stages = [estimate_memory(arch, shape, s) for s in range(grid.pp)]
     largest = max(range(grid.pp), key=lambda s: stages[s].total)
-    layers = tuple(len(r) for r in stage_layers(arch.num_layers, grid.pp, shape.first_stage_layers,
-                                                shape.last_stage_layers))
-    return RolePlan(name=name, world_size=size, grid=grid, ranks=ranks, stage_layers=layers,
-                    params_per_rank=sum(stage_params(arch, shape, largest)), largest_stage=largest,
-                    memory=stages[largest])
+    layers = tuple(
+        len(r) for r in stage_layers(arch.num_layers, grid.pp, shape.first_stage_layers, shape.last_stage_layers)
+    )
+    return RolePlan(
+        name=name,
+        world_size=size,
+        grid=grid,
+        ranks=ranks,
+        stage_layers=layers,
+        params_per_rank=sum(stage_params(arch, shape, largest)),
+        largest_stage=largest,
+        memory=stages[largest],
+    )
 
 
 def build_plan(cfg: RunConfig, arch: ModelArch) -> Plan:
@@ -385,15 +446,28 @@ def build_plan(cfg: RunConfig, arch: ModelArch) -> Plan:
     sizes = role_world_sizes(cfg)
     offsets = device_offsets(cfg, sizes)
     r, per_node = cfg.rollout, cfg.cluster.devices_per_node
-    engines = () if r.urls else tuple(
-        EnginePlan(index=e, devices=tuple(divmod(offsets["rollout"] + e * r.tp + i, per_node) for i in range(r.tp)))
-        for e in range(r.num_engines)
+    engines = (
+        ()
+        if r.urls
+        else tuple(
+            EnginePlan(index=e, devices=tuple(divmod(offsets["rollout"] + e * r.tp + i, per_node) for i in range(r.tp)))
+            for e in range(r.num_engines)
+        )
     )
     return Plan(
-        model_type=arch.model_type, params=count_params(arch), dtype=cfg.model.dtype, seq_len=sequence_length(cfg),
-        nodes=cfg.cluster.nodes, devices_per_node=per_node, device=cfg.cluster.device, colocate=cfg.cluster.colocate,
+        model_type=arch.model_type,
+        params=count_params(arch),
+        dtype=cfg.model.dtype,
+        seq_len=sequence_length(cfg),
+        nodes=cfg.cluster.nodes,
+        devices_per_node=per_node,
+        device=cfg.cluster.device,
+        colocate=cfg.cluster.colocate,
         roles=tuple(_role_plan(n, size, offsets[n], cfg, arch) for n, size in sizes.items()),
-        rollout_engine=r.engine, rollout_tp=r.tp, engines=engines, rollout_urls=tuple(r.urls),
+        rollout_engine=r.engine,
+        rollout_tp=r.tp,
+        engines=engines,
+        rollout_urls=tuple(r.urls),
     )
 
 
@@ -449,8 +523,10 @@ def _memory_lines(plan: Plan) -> list[str]:
     cols = ("weights", "grads", "optimizer", "activations", "total")
     # Tiny CPU models would print as 0.00 GiB; pick the unit from the largest total.
     unit, scale = ("GiB", GIB) if max(r.memory.total for r in plan.roles) >= GIB / 10 else ("MiB", 2**20)
-    lines = [f"memory per rank, {unit} (estimate; excludes logits, CUDA context, fragmentation):",
-             f"  {'role':<8}" + "".join(f"{c:>13}" for c in cols)]
+    lines = [
+        f"memory per rank, {unit} (estimate; excludes logits, CUDA context, fragmentation):",
+        f"  {'role':<8}" + "".join(f"{c:>13}" for c in cols),
+    ]
     for role in plan.roles:
         m = role.memory
         values = (m.weights, m.grads, m.optimizer, m.activations, m.total)

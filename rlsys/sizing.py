@@ -48,8 +48,16 @@ class ParamCount:
 
     @property
     def total(self) -> int:
-        return (self.embedding + self.output + self.attention + self.dense_mlp + self.router + self.experts
-                + self.shared_experts + self.norms)
+        return (
+            self.embedding
+            + self.output
+            + self.attention
+            + self.dense_mlp
+            + self.router
+            + self.experts
+            + self.shared_experts
+            + self.norms
+        )
 
 
 # --------------------------------------------------- per-feature formulas

@@ -38,8 +38,8 @@ SIDE_FILES = (
 class ShardWriter:
     """Buffers ``(name, tensor)`` pairs of one rank and flushes them as safetensors files."""
 
-    def __init__(self, out_dir: str, part: int, max_shard_bytes: int = 2 << 30, dtype: torch.dtype | None = None):
-        self.out_dir, self.part, self.max_bytes, self.dtype = out_dir, part, max_shard_bytes, dtype
+    def __init__(self, out_dir: str, part: int, max_shard_bytes: int = 2 << 30):
+        self.out_dir, self.part, self.max_bytes = out_dir, part, max_shard_bytes
         self.buffer: dict[str, torch.Tensor] = {}
         self.buffered = 0
         self.files: dict[str, list[str]] = {}  # file -> names
@@ -49,7 +49,7 @@ class ShardWriter:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self.buffer or any(name in names for names in self.files.values()):
             raise RuntimeError(f"tensor '{name}' exported twice")
-        t = tensor.detach().to("cpu", self.dtype or tensor.dtype).contiguous()
+        t = tensor.detach().to("cpu").contiguous()
         size = t.numel() * t.element_size()
         if self.buffer and self.buffered + size > self.max_bytes:
             self.flush()

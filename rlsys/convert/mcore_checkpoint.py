@@ -108,6 +108,7 @@ def hf_to_mcore_rank(hf_dir: str, out_dir: str, layout: Layout, dtype: str, devi
         copy_side_files(hf_dir, side)
         meta = dict(
             format_version=FORMAT_VERSION,
+            hf_dtypes=hf_dtype_map(hf_dir),
             rlsys_version=rlsys.__version__,
             model_type=arch.model_type,
             hf_config=load_hf_config(hf_dir),
@@ -142,10 +143,10 @@ def mcore_to_hf_rank(
     state = dist_checkpointing.load(chunks[0].sharded_state_dict(), mcore_dir)
     chunks[0].load_state_dict(state)
     dist.barrier()  # the partial directory exists before anyone writes
-    writer = ShardWriter(tmp, part=rank, max_shard_bytes=max_shard_bytes, dtype=DTYPES[dtype] if dtype else None)
+    writer = ShardWriter(tmp, part=rank, max_shard_bytes=max_shard_bytes)
     with _progress(rank == 0, "write HF") as bar:
         for name, tensor in iter_hf_tensors(chunks, arch, topo):
-            writer.add(name, tensor)
+            writer.add(name, tensor.to(DTYPES[output_dtype(meta, name, dtype)]))
             bar.update(tensor.numel() * tensor.element_size())
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, (writer.close(), writer.tensors, writer.bytes))
@@ -159,6 +160,29 @@ def mcore_to_hf_rank(
             f"mcore-to-hf: {tensors} tensors, {total / 2**20:.1f} MiB in {shards} shard(s) -> {out_dir} "
             f"in {time.time() - start:.1f}s"
         )
+
+
+_SAFETENSORS_DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
+
+
+def hf_dtype_map(hf_dir: str) -> dict:
+    """The source checkpoint's dtypes: the common one and the exceptions (e.g. an fp32 router bias)."""
+    from collections import Counter
+
+    from rlsys.convert.hf_checkpoint import HFCheckpoint
+
+    src = HFCheckpoint(hf_dir)
+    dtypes = {n: _SAFETENSORS_DTYPES.get(src.dtype(n), src.dtype(n)) for n in src.names()}
+    common = Counter(dtypes.values()).most_common(1)[0][0] if dtypes else "fp32"
+    return {"default": common, "exceptions": {n: d for n, d in dtypes.items() if d != common}}
+
+
+def output_dtype(meta: dict, name: str, requested: str | None) -> str:
+    """``--dtype`` if given; else what the source HF checkpoint had for this tensor; else the model dtype."""
+    if requested:
+        return requested
+    recorded = meta.get("hf_dtypes") or {}
+    return recorded.get("exceptions", {}).get(name) or recorded.get("default") or meta["dtype"]
 
 
 def _write_hf_side_files(mcore_dir: str, out: str, meta: dict, dtype: str | None) -> None:

@@ -53,8 +53,12 @@ def iter_hf_tensors(chunks, arch: ModelArch, topo: Topology) -> Iterator[tuple[s
     # Dense first, then experts: the two passes use different groups, and every member
     # of a group walks the same parameters in the same order.
     passes = (
-        ([p for p in params if not p.is_expert], topo.dp_rank == 0 and topo.cp_rank == 0, topo.pg.tp,
-         is_dense_writer(topo)),
+        (
+            [p for p in params if not p.is_expert],
+            topo.dp_rank == 0 and topo.cp_rank == 0,
+            topo.pg.tp,
+            is_dense_writer(topo),
+        ),
         ([p for p in params if p.is_expert], topo.edp_rank == 0, topo.pg.expt_tp, is_expert_writer(topo)),
     )
     for group_params, participates, group, writes in passes:

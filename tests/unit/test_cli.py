@@ -15,11 +15,14 @@ def test_plan_prints_grid(capsys):
     assert "# resolved config" in out and "TP2 x PP1 x CP1 x EP1 x DP1" in out
 
 
-@pytest.mark.parametrize("override,fragment", [
-    ("actor.parallel.tp=3", "actor.world_size"),
-    ("actor.paralel.tp=2", "did you mean 'parallel'"),
-    ("trainer.steps=many", "trainer.steps"),
-])
+@pytest.mark.parametrize(
+    "override,fragment",
+    [
+        ("actor.parallel.tp=3", "actor.world_size"),
+        ("actor.paralel.tp=2", "did you mean 'parallel'"),
+        ("trainer.steps=many", "trainer.steps"),
+    ],
+)
 def test_plan_errors_exit_2_on_one_line(capsys, override, fragment):
     assert main(["plan", CPU_CONFIG, override]) == 2
     err = capsys.readouterr().err.strip()

@@ -19,8 +19,13 @@ def _plan(cfg: RunConfig) -> str:
 
 def test_there_are_example_configs():
     names = {os.path.basename(p) for p in CONFIGS}
-    assert {"qwen2_0.5b_grpo.yaml", "qwen3_moe_30b_a3b_dapo.yaml", "deepseek_v3_grpo.yaml", "llama3_8b_ppo.yaml",
-            "cpu_tiny_grpo.yaml"} <= names
+    assert {
+        "qwen2_0.5b_grpo.yaml",
+        "qwen3_moe_30b_a3b_dapo.yaml",
+        "deepseek_v3_grpo.yaml",
+        "llama3_8b_ppo.yaml",
+        "cpu_tiny_grpo.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
@@ -55,10 +60,18 @@ def test_section_defaults_survive_partial_sections(tmp_path):
 
 
 def test_overrides_are_typed_and_nested():
-    cfg = load_config(CONFIGS[0], [
-        "actor.parallel.tp=2", "actor.optimizer.lr=3e-6", "actor.optimizer.min_lr=0", "rollout.sampling.stop=[x, y]",
-        "logging.wandb_project=demo", "actor.parallel.vpp=null", "model.hf_config.rope_theta=5",
-    ])
+    cfg = load_config(
+        CONFIGS[0],
+        [
+            "actor.parallel.tp=2",
+            "actor.optimizer.lr=3e-6",
+            "actor.optimizer.min_lr=0",
+            "rollout.sampling.stop=[x, y]",
+            "logging.wandb_project=demo",
+            "actor.parallel.vpp=null",
+            "model.hf_config.rope_theta=5",
+        ],
+    )
     assert cfg.actor.parallel.tp == 2
     assert cfg.actor.optimizer.lr == 3e-6 and isinstance(cfg.actor.optimizer.min_lr, float)
     assert cfg.rollout.sampling.stop == ["x", "y"]
@@ -76,8 +89,19 @@ def test_yaml12_scalars(tmp_path):
 
 def test_config_to_dict_mirrors_yaml_sections():
     d = config_to_dict(load_config(None))
-    assert list(d) == ["model", "actor", "critic", "ref", "rollout", "algorithm", "data", "reward", "trainer",
-                       "cluster", "logging"]
+    assert list(d) == [
+        "model",
+        "actor",
+        "critic",
+        "ref",
+        "rollout",
+        "algorithm",
+        "data",
+        "reward",
+        "trainer",
+        "cluster",
+        "logging",
+    ]
     assert d["actor"]["parallel"]["tp"] == 1
 
 
@@ -90,11 +114,23 @@ def test_missing_file_and_bad_yaml_name_the_file(tmp_path):
         load_config(str(bad))
 
 
-TINY_MOE = "model.hf_config=" + json.dumps(dict(
-    model_type="qwen3_moe", vocab_size=100, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
-    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=6,
-    num_experts_per_tok=2, max_position_embeddings=4096, hidden_act="silu",
-))
+TINY_MOE = "model.hf_config=" + json.dumps(
+    dict(
+        model_type="qwen3_moe",
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=24,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=6,
+        num_experts_per_tok=2,
+        max_position_embeddings=4096,
+        hidden_act="silu",
+    )
+)
 CPU = ["cluster.device=cpu", "rollout.engine=cpu"]
 
 # (case, overrides on the defaults: tiny qwen2 with 4 heads, 2 KV heads, 4 layers; 1 node x 8 GPUs, fragment)
@@ -126,30 +162,64 @@ BAD = [
     ("layers vs pp", ["actor.world_size=3", "actor.parallel.pp=3"], "3 does not divide num_layers=4"),
     ("layers vs pp*vpp", ["actor.parallel.pp=2", "actor.parallel.vpp=4"], "not divisible by pp*vpp = 8"),
     ("vpp without pp", ["actor.parallel.vpp=2"], "virtual pipeline stages need pp > 1"),
-    ("uneven stages", ["actor.parallel.pp=2", "actor.parallel.first_stage_layers=3",
-                       "actor.parallel.last_stage_layers=2"], "does not split evenly"),
+    (
+        "uneven stages",
+        ["actor.parallel.pp=2", "actor.parallel.first_stage_layers=3", "actor.parallel.last_stage_layers=2"],
+        "does not split evenly",
+    ),
     ("sp without tp", ["actor.parallel.sequence_parallel=true"], "sequence parallelism needs tp > 1"),
     ("cp on cpu", [*CPU, "actor.parallel.cp=2"], "context parallelism needs cluster.device 'cuda'"),
     ("ep on dense", ["actor.parallel.ep=2"], "is a dense model"),
     ("experts vs ep", [TINY_MOE, "actor.parallel.ep=4"], "4 does not divide num_experts=6"),
-    ("moe world vs etp*ep*pp", [TINY_MOE, "actor.world_size=6", "actor.parallel.ep=6", "actor.parallel.pp=2",
-                                "data.prompts_per_step=6", "rollout.sampling.n=2"], "not divisible by etp*ep*pp"),
-    ("moe ffn vs etp", [TINY_MOE, "actor.parallel.tp=2", "actor.parallel.etp=16", "actor.world_size=16",
-                        "cluster.devices_per_node=16"], "does not divide moe_intermediate_size=24"),
+    (
+        "moe world vs etp*ep*pp",
+        [
+            TINY_MOE,
+            "actor.world_size=6",
+            "actor.parallel.ep=6",
+            "actor.parallel.pp=2",
+            "data.prompts_per_step=6",
+            "rollout.sampling.n=2",
+        ],
+        "not divisible by etp*ep*pp",
+    ),
+    (
+        "moe ffn vs etp",
+        [
+            TINY_MOE,
+            "actor.parallel.tp=2",
+            "actor.parallel.etp=16",
+            "actor.world_size=16",
+            "cluster.devices_per_node=16",
+        ],
+        "does not divide moe_intermediate_size=24",
+    ),
     ("rollout tp vs heads", ["rollout.tp=8"], "rollout.tp': 8 does not divide num_attention_heads=4"),
-    ("rollout tp vs devices", ["cluster.devices_per_node=6", "rollout.tp=4", "data.prompts_per_step=6"],
-     "does not divide the cluster's 6 devices"),
+    (
+        "rollout tp vs devices",
+        ["cluster.devices_per_node=6", "rollout.tp=4", "data.prompts_per_step=6"],
+        "does not divide the cluster's 6 devices",
+    ),
     ("too many devices", ["actor.world_size=16"], "more devices than cluster.nodes * cluster.devices_per_node = 8"),
     ("too many engines", ["rollout.num_engines=9"], "need 9 devices"),
-    ("disaggregated overflow", ["cluster.colocate=false", "actor.world_size=8", "rollout.num_engines=2"],
-     "need actor 8 + critic 0 + rollout 2 = 10 devices"),
-    ("disaggregated critic size", ["cluster.colocate=false", "algorithm.name=ppo", "critic.enabled=true"],
-     "critic.world_size': None is invalid"),
+    (
+        "disaggregated overflow",
+        ["cluster.colocate=false", "actor.world_size=8", "rollout.num_engines=2"],
+        "need actor 8 + critic 0 + rollout 2 = 10 devices",
+    ),
+    (
+        "disaggregated critic size",
+        ["cluster.colocate=false", "algorithm.name=ppo", "critic.enabled=true"],
+        "critic.world_size': None is invalid",
+    ),
     ("batch vs dp", ["data.prompts_per_step=3", "rollout.sampling.n=2"], "6 samples"),
     ("sequence too long", ["rollout.sampling.max_new_tokens=4000"], "exceeds the model's max_position_embeddings"),
     ("token budget below a sequence", ["actor.batch.max_tokens_per_microbatch=100"], "must hold one whole sequence"),
-    ("missing checkpoint", ["model.path=/does/not/exist"],
-     "model.path': checkpoint directory '/does/not/exist' does not exist"),
+    (
+        "missing checkpoint",
+        ["model.path=/does/not/exist"],
+        "model.path': checkpoint directory '/does/not/exist' does not exist",
+    ),
 ]
 
 

@@ -9,10 +9,22 @@ from rlsys.convert.hf_config import arch_from_dict
 from rlsys.plan import build_plan, model_arch, rank_coords, render_plan, role_grid
 from rlsys.sizing import RoleShape, count_params, estimate_memory, stage_layers, stage_params
 
-TINY_QWEN2 = ["model.hf_config=" + json.dumps(dict(
-    model_type="qwen2", vocab_size=1000, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True, max_position_embeddings=4096,
-))]
+TINY_QWEN2 = [
+    "model.hf_config="
+    + json.dumps(
+        dict(
+            model_type="qwen2",
+            vocab_size=1000,
+            hidden_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            tie_word_embeddings=True,
+            max_position_embeddings=4096,
+        )
+    )
+]
 
 
 def _plan(overrides):
@@ -25,14 +37,30 @@ def _plan(overrides):
 
 def test_grid_and_rank_coordinates_by_hand():
     # 2 nodes x 4 devices, TP2 x PP2 -> DP2. Megatron order tp-cp-ep-dp-pp: tp fastest, then dp, then pp.
-    _, plan = _plan([*TINY_QWEN2, "cluster.nodes=2", "cluster.devices_per_node=4", "actor.parallel.tp=2",
-                     "actor.parallel.pp=2", "ref.enabled=false", "algorithm.kl_coef=0", "rollout.tp=2",
-                     "rollout.num_engines=4"])
+    _, plan = _plan(
+        [
+            *TINY_QWEN2,
+            "cluster.nodes=2",
+            "cluster.devices_per_node=4",
+            "actor.parallel.tp=2",
+            "actor.parallel.pp=2",
+            "ref.enabled=false",
+            "algorithm.kl_coef=0",
+            "rollout.tp=2",
+            "rollout.num_engines=4",
+        ]
+    )
     actor = plan.role("actor")
     assert actor.grid.label() == "TP2 x PP2 x CP1 x EP1 x DP2"
     expected = {  # rank: (node, device, pp, tp, dp)
-        0: (0, 0, 0, 0, 0), 1: (0, 1, 0, 1, 0), 2: (0, 2, 0, 0, 1), 3: (0, 3, 0, 1, 1),
-        4: (1, 0, 1, 0, 0), 5: (1, 1, 1, 1, 0), 6: (1, 2, 1, 0, 1), 7: (1, 3, 1, 1, 1),
+        0: (0, 0, 0, 0, 0),
+        1: (0, 1, 0, 1, 0),
+        2: (0, 2, 0, 0, 1),
+        3: (0, 3, 0, 1, 1),
+        4: (1, 0, 1, 0, 0),
+        5: (1, 1, 1, 1, 0),
+        6: (1, 2, 1, 0, 1),
+        7: (1, 3, 1, 1, 1),
     }
     got = {r.rank: (r.node, r.device, r.pp, r.tp, r.dp) for r in actor.ranks}
     assert got == expected
@@ -42,8 +70,16 @@ def test_grid_and_rank_coordinates_by_hand():
 
 def test_expert_grid_coordinates_by_hand():
     # 8 ranks, TP2, EP4, ETP1 -> dense DP4, expert DP 8/(1*4*1) = 2; experts: etp fastest, then ep, then edp.
-    _, plan = _plan([*TINY_QWEN3_MOE_OVERRIDES, "actor.parallel.tp=2", "actor.parallel.ep=4",
-                     "actor.parallel.etp=1", "ref.enabled=false", "algorithm.kl_coef=0"])
+    _, plan = _plan(
+        [
+            *TINY_QWEN3_MOE_OVERRIDES,
+            "actor.parallel.tp=2",
+            "actor.parallel.ep=4",
+            "actor.parallel.etp=1",
+            "ref.enabled=false",
+            "algorithm.kl_coef=0",
+        ]
+    )
     grid = plan.role("actor").grid
     assert (grid.dp, grid.expert_dp) == (4, 2)
     rank5 = plan.role("actor").ranks[5]
@@ -55,14 +91,29 @@ def test_expert_grid_coordinates_by_hand():
 def test_rank_coords_agree_with_megatron_rank_generator(tp, cp, pp, ep, etp, world):
     from megatron.core.parallel_state import RankGenerator
 
-    cfg = load_config(None, [f"actor.parallel.tp={tp}", f"actor.parallel.cp={cp}", f"actor.parallel.pp={pp}",
-                             f"actor.parallel.ep={ep}", f"actor.parallel.etp={etp}"])
+    cfg = load_config(
+        None,
+        [
+            f"actor.parallel.tp={tp}",
+            f"actor.parallel.cp={cp}",
+            f"actor.parallel.pp={pp}",
+            f"actor.parallel.ep={ep}",
+            f"actor.parallel.etp={etp}",
+        ],
+    )
     grid = role_grid(cfg.actor, world)
     dense = RankGenerator(tp=tp, ep=1, dp=grid.dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
     expert = RankGenerator(tp=etp, ep=ep, dp=grid.expert_dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
     coords = [rank_coords(r, grid) for r in range(world)]
-    for gen, token, key in [(dense, "tp", "tp"), (dense, "cp", "cp"), (dense, "dp", "dp"), (dense, "pp", "pp"),
-                            (expert, "tp", "etp"), (expert, "ep", "ep"), (expert, "dp", "expert_dp")]:
+    for gen, token, key in [
+        (dense, "tp", "tp"),
+        (dense, "cp", "cp"),
+        (dense, "dp", "dp"),
+        (dense, "pp", "pp"),
+        (expert, "tp", "etp"),
+        (expert, "ep", "ep"),
+        (expert, "dp", "expert_dp"),
+    ]:
         for group in gen.get_ranks(token):
             # Within one group the coordinate runs 0..size-1 and nothing else differs in its axis.
             assert [coords[r][key] for r in group] == list(range(len(group)))
@@ -96,9 +147,19 @@ def test_render_compresses_large_worlds():
 
 
 def test_memory_estimate_by_hand():
-    _, plan = _plan([*TINY_QWEN2, "actor.parallel.tp=2", "actor.parallel.pp=2", "actor.parallel.sequence_parallel=true",
-                     "actor.batch.micro_batch_size=2", "data.max_prompt_len=100", "rollout.sampling.max_new_tokens=28",
-                     "ref.enabled=false", "algorithm.kl_coef=0"])
+    _, plan = _plan(
+        [
+            *TINY_QWEN2,
+            "actor.parallel.tp=2",
+            "actor.parallel.pp=2",
+            "actor.parallel.sequence_parallel=true",
+            "actor.batch.micro_batch_size=2",
+            "data.max_prompt_len=100",
+            "rollout.sampling.max_new_tokens=28",
+            "ref.enabled=false",
+            "algorithm.kl_coef=0",
+        ]
+    )
     actor = plan.role("actor")  # 8 devices: TP2 x PP2 x DP2, bf16, Adam, distributed optimizer
     h, tp = 64, 2
     # Megatron pads vocab 1000 to a multiple of 128 * tp = 256 -> 1024.
@@ -125,8 +186,20 @@ def test_memory_estimate_by_hand():
 
 def test_memory_full_recompute_fp32_sgd():
     arch = arch_from_dict({**BASE, "model_type": "llama"})
-    shape = RoleShape(tp=2, pp=1, ep=1, etp=1, dp=2, vocab_divisible_by=1, dtype="fp32", optimizer="sgd",
-                      distributed_optimizer=False, recompute="full", tokens_per_microbatch=100, seq_len=100)
+    shape = RoleShape(
+        tp=2,
+        pp=1,
+        ep=1,
+        etp=1,
+        dp=2,
+        vocab_divisible_by=1,
+        dtype="fp32",
+        optimizer="sgd",
+        distributed_optimizer=False,
+        recompute="full",
+        tokens_per_microbatch=100,
+        seq_len=100,
+    )
     params = sum(stage_params(arch, shape, 0))
     m = estimate_memory(arch, shape, 0)
     assert m.weights == params * 4 and m.grads == params * 4
@@ -142,11 +215,28 @@ def test_ref_holds_weights_only():
 
 # ---------------------------------------------------- params vs transformers
 
-BASE = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, hidden_act="silu")
+BASE = dict(
+    vocab_size=101,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    hidden_act="silu",
+)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
-MLA = dict(kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4,
-           num_experts_per_tok=2, moe_intermediate_size=24, n_group=2, topk_group=1)
+MLA = dict(
+    kv_lora_rank=8,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    n_group=2,
+    topk_group=1,
+)
 TINY_QWEN3_MOE_OVERRIDES = [
     "model.hf_config=" + json.dumps(dict(BASE, model_type="qwen3_moe", head_dim=16, **MOE)),  # JSON is YAML
     "model.hf_config.num_hidden_layers=4",
@@ -162,7 +252,9 @@ MODELS = {  # case: (model_type, config kwargs)
     "qwen3_moe_mixed": ("qwen3_moe", dict(BASE, **MOE, decoder_sparse_step=2, mlp_only_layers=[2])),
     "deepseek_v3": ("deepseek_v3", dict(BASE, **MLA, q_lora_rank=16, first_k_dense_replace=1, n_shared_experts=1)),
     "deepseek_v3_no_q_lora": (
-        "deepseek_v3", dict(BASE, **MLA, q_lora_rank=None, first_k_dense_replace=2, n_shared_experts=2)),
+        "deepseek_v3",
+        dict(BASE, **MLA, q_lora_rank=None, first_k_dense_replace=2, n_shared_experts=2),
+    ),
 }
 
 
