@@ -80,9 +80,9 @@ def megatron_logits_on_rank(
             padded_vocab=meta.get("padded_vocab"),
         )
         if mcore_dir:
-            from megatron.core import dist_checkpointing
+            from rlsys.convert.mcore_checkpoint import load_mcore
 
-            chunks[0].load_state_dict(dist_checkpointing.load(chunks[0].sharded_state_dict(), mcore_dir))
+            load_mcore(chunks[0], mcore_dir)
         else:
             load_hf_weights(chunks, arch, topo, hf_dir)
         logits = forward_logits(chunks, topo, tokens, arch.vocab_size)

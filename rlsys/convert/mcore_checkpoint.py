@@ -38,6 +38,7 @@ from rlsys.convert.hf_writer import (
     prepare_output,
 )
 from rlsys.errors import CheckpointError, UserError
+from rlsys.megatron.model import sharded_state_dict
 
 META_FILE = "rlsys_meta.json"
 HF_SIDE_DIR = "hf"
@@ -72,12 +73,12 @@ def read_meta(mcore_dir: str) -> dict:
     return meta
 
 
-def _build(arch, layout: Layout, dtype: str, device: str, padded_vocab: int | None = None):
+def _build(arch, layout: Layout, dtype: str, device: str, padded_vocab: int | None = None, meta: bool = False):
     from rlsys.megatron.model import build_model
     from rlsys.topology import build_topology
 
     topo = build_topology(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, device=device)
-    chunks, _ = build_model(arch, topo, dtype=dtype, padded_vocab=padded_vocab)
+    chunks, _ = build_model(arch, topo, dtype=dtype, padded_vocab=padded_vocab, meta=meta)
     return topo, chunks
 
 
@@ -88,6 +89,7 @@ def _progress(enabled: bool, desc: str):
 
 
 def hf_to_mcore_rank(hf_dir: str, out_dir: str, layout: Layout, dtype: str, device: str, overwrite: bool) -> None:
+    """One rank of ``hf-to-mcore``. A single rank streams: it holds one layer at a time."""
     from megatron.core import dist_checkpointing
 
     from rlsys.megatron.load import load_hf_weights
@@ -97,27 +99,17 @@ def hf_to_mcore_rank(hf_dir: str, out_dir: str, layout: Layout, dtype: str, devi
     if rank == 0:
         prepare_output(out_dir, overwrite)
     arch = read_arch(hf_dir)
-    topo, chunks = _build(arch, layout, dtype, device)
-    with _progress(rank == 0, "read HF") as bar:
-        count = load_hf_weights(chunks, arch, topo, hf_dir, progress=bar.update)
+    streaming = dist.get_world_size() == 1
+    topo, chunks = _build(arch, layout, dtype, device, meta=streaming)
     dist.barrier()  # the partial directory exists before anyone writes
-    dist_checkpointing.save(chunks[0].sharded_state_dict(), tmp)
+    with _progress(rank == 0, "read HF") as bar:
+        if streaming:
+            count = _stream_hf_to_mcore(chunks[0], arch, topo, hf_dir, tmp, bar.update)
+        else:
+            count = len(load_hf_weights(chunks, arch, topo, hf_dir, progress=bar.update))
+            dist_checkpointing.save(sharded_state_dict(chunks[0]), tmp)
     if rank == 0:
-        side = os.path.join(tmp, HF_SIDE_DIR)
-        os.makedirs(side)
-        copy_side_files(hf_dir, side)
-        meta = dict(
-            format_version=FORMAT_VERSION,
-            hf_dtypes=hf_dtype_map(hf_dir),
-            rlsys_version=rlsys.__version__,
-            model_type=arch.model_type,
-            hf_config=load_hf_config(hf_dir),
-            dtype=dtype,
-            saved_layout=asdict(layout),
-            padded_vocab=chunks[0].vocab_size if hasattr(chunks[0], "vocab_size") else None,
-        )
-        with open(os.path.join(tmp, META_FILE), "w") as f:
-            json.dump(meta, f, indent=2)
+        _write_meta(tmp, hf_dir, arch, dtype, layout, chunks[0].vocab_size)
     destroy_topology()
     dist.barrier()
     if rank == 0:
@@ -126,12 +118,55 @@ def hf_to_mcore_rank(hf_dir: str, out_dir: str, layout: Layout, dtype: str, devi
         print(f"hf-to-mcore: {count} HF tensors -> {out_dir} ({size / 2**20:.1f} MiB) in {time.time() - start:.1f}s")
 
 
+def _stream_hf_to_mcore(chunk, arch, topo, hf_dir: str, tmp: str, progress) -> int:
+    """Fill and save one unit at a time into part checkpoints, then merge them into ``tmp``."""
+    from megatron.core import dist_checkpointing
+
+    from rlsys.convert.dcp_merge import merge_parts
+    from rlsys.convert.hf_checkpoint import HFCheckpoint
+    from rlsys.megatron.load import check_all_used, load_hf_weights
+    from rlsys.megatron.units import materialize, release, units
+
+    used, parts = set(), []
+    for unit in units(chunk):
+        materialize(unit)
+        used |= load_hf_weights([chunk], arch, topo, hf_dir, progress=progress, only=unit.owns, check_complete=False)
+        part = os.path.join(tmp, f".part{len(parts):05d}")
+        os.makedirs(part)
+        sharded = {k: v for k, v in sharded_state_dict(chunk).items() if unit.owns(k)}
+        dist_checkpointing.save(sharded, part)
+        parts.append(part)
+        release(unit)
+    src = HFCheckpoint(hf_dir)
+    check_all_used(src, arch, used)
+    merge_parts(parts, tmp)
+    return len(used)
+
+
+def _write_meta(tmp: str, hf_dir: str, arch, dtype: str, layout: Layout, padded_vocab: int) -> None:
+    side = os.path.join(tmp, HF_SIDE_DIR)
+    os.makedirs(side)
+    copy_side_files(hf_dir, side)
+    meta = dict(
+        format_version=FORMAT_VERSION,
+        rlsys_version=rlsys.__version__,
+        model_type=arch.model_type,
+        hf_config=load_hf_config(hf_dir),
+        hf_dtypes=hf_dtype_map(hf_dir),
+        dtype=dtype,
+        saved_layout=asdict(layout),
+        padded_vocab=padded_vocab,
+    )
+    with open(os.path.join(tmp, META_FILE), "w") as f:
+        json.dump(meta, f, indent=2)
+
+
 def mcore_to_hf_rank(
     mcore_dir: str, out_dir: str, layout: Layout, dtype: str | None, device: str, max_shard_bytes: int, overwrite: bool
 ) -> None:
-    from megatron.core import dist_checkpointing
-
+    """One rank of ``mcore-to-hf``. A single rank streams: it holds one layer at a time."""
     from rlsys.megatron.export import iter_hf_tensors
+    from rlsys.megatron.units import materialize, release, units
     from rlsys.topology import destroy_topology
 
     start, rank, tmp = time.time(), dist.get_rank(), partial_dir(out_dir)
@@ -139,15 +174,21 @@ def mcore_to_hf_rank(
         prepare_output(out_dir, overwrite)
     meta = read_meta(mcore_dir)
     arch = arch_from_dict(meta["hf_config"])
-    topo, chunks = _build(arch, layout, meta["dtype"], device, padded_vocab=meta["padded_vocab"])
-    state = dist_checkpointing.load(chunks[0].sharded_state_dict(), mcore_dir)
-    chunks[0].load_state_dict(state)
+    streaming = dist.get_world_size() == 1
+    topo, chunks = _build(arch, layout, meta["dtype"], device, padded_vocab=meta["padded_vocab"], meta=streaming)
     dist.barrier()  # the partial directory exists before anyone writes
     writer = ShardWriter(tmp, part=rank, max_shard_bytes=max_shard_bytes)
+    pieces = list(units(chunks[0])) if streaming else [None]
     with _progress(rank == 0, "write HF") as bar:
-        for name, tensor in iter_hf_tensors(chunks, arch, topo):
-            writer.add(name, tensor.to(DTYPES[output_dtype(meta, name, dtype)]))
-            bar.update(tensor.numel() * tensor.element_size())
+        for unit in pieces:
+            if unit is not None:
+                materialize(unit)
+            load_mcore(chunks[0], mcore_dir, unit.owns if unit else None)
+            for name, tensor in iter_hf_tensors(chunks, arch, topo, only=unit.owns if unit else None):
+                writer.add(name, tensor.to(DTYPES[output_dtype(meta, name, dtype)]))
+                bar.update(tensor.numel() * tensor.element_size())
+            if unit is not None:
+                release(unit)
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, (writer.close(), writer.tensors, writer.bytes))
     destroy_topology()
@@ -160,6 +201,14 @@ def mcore_to_hf_rank(
             f"mcore-to-hf: {tensors} tensors, {total / 2**20:.1f} MiB in {shards} shard(s) -> {out_dir} "
             f"in {time.time() - start:.1f}s"
         )
+
+
+def load_mcore(chunk, mcore_dir: str, only=None) -> None:
+    """Load the chunk's state (or the part ``only`` selects) from a dist checkpoint at any saved layout."""
+    from megatron.core import dist_checkpointing
+
+    sharded = {k: v for k, v in sharded_state_dict(chunk).items() if only is None or only(k)}
+    chunk.load_state_dict(dist_checkpointing.load(sharded, mcore_dir), strict=only is None)
 
 
 _SAFETENSORS_DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
@@ -199,7 +248,6 @@ def _write_hf_side_files(mcore_dir: str, out: str, meta: dict, dtype: str | None
 
 def verify_rank(hf_dir: str, mcore_dir: str, device: str, report_path: str) -> None:
     """Export the Megatron checkpoint at TP=PP=1 and compare tensor by tensor with the HF checkpoint."""
-    from megatron.core import dist_checkpointing
 
     from rlsys.convert.hf_checkpoint import HFCheckpoint
     from rlsys.megatron.export import iter_hf_tensors
@@ -208,7 +256,7 @@ def verify_rank(hf_dir: str, mcore_dir: str, device: str, report_path: str) -> N
     meta = read_meta(mcore_dir)
     arch = arch_from_dict(meta["hf_config"])
     topo, chunks = _build(arch, Layout(), meta["dtype"], device, padded_vocab=meta["padded_vocab"])
-    chunks[0].load_state_dict(dist_checkpointing.load(chunks[0].sharded_state_dict(), mcore_dir))
+    load_mcore(chunks[0], mcore_dir)
     src = HFCheckpoint(hf_dir)
     seen, worst, worst_name, missing = set(), 0.0, None, []
     for name, ours in iter_hf_tensors(chunks, arch, topo):

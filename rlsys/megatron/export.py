@@ -46,10 +46,15 @@ def is_expert_writer(topo: Topology) -> bool:
 
 
 @torch.no_grad()
-def iter_hf_tensors(chunks, arch: ModelArch, topo: Topology) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full_tensor)`` on writer ranks; other ranks yield nothing but must iterate too."""
+def iter_hf_tensors(chunks, arch: ModelArch, topo: Topology, only=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` on writer ranks; other ranks yield nothing but must iterate too.
+
+    ``only(local_name)`` restricts the export to some parameters (the same on every rank of a group).
+    """
     table = table_for(arch)
-    params = [p for chunk in chunks for p in iter_mapped_params(chunk, arch, table, topo) if not p.skip_export]
+    params = [
+        p for chunk in chunks for p in iter_mapped_params(chunk, arch, table, topo, only=only) if not p.skip_export
+    ]
     # Dense first, then experts: the two passes use different groups, and every member
     # of a group walks the same parameters in the same order.
     passes = (

@@ -22,17 +22,21 @@ from rlsys.topology import Topology
 
 
 @torch.no_grad()
-def load_hf_weights(chunks, arch: ModelArch, topo: Topology, hf_dir: str, progress=None) -> int:
-    """Copy HF weights into ``chunks``; returns the number of HF tensors read on this rank.
+def load_hf_weights(
+    chunks, arch: ModelArch, topo: Topology, hf_dir: str, progress=None, only=None, check_complete: bool = True
+) -> set[str]:
+    """Copy HF weights into ``chunks``; returns the HF tensor names read on this rank.
 
     ``progress(nbytes)`` is called after each parameter, for progress bars.
+    ``only(local_name)`` restricts loading to some parameters; then the caller
+    checks completeness itself (``check_all_used``) once every part is loaded.
     """
     src = HFCheckpoint(hf_dir)
     table = table_for(arch)
     used: set[str] = set()
     try:
         for chunk in chunks:
-            for p in iter_mapped_params(chunk, arch, table, topo):
+            for p in iter_mapped_params(chunk, arch, table, topo, only=only):
                 if isinstance(p.transform, PaddedVocab):
                     padded_rows = p.tensor.shape[0] * p.shard.size
                     shard = p.transform.load_shard(src, p.hf_names, p.shard, arch, padded_rows=padded_rows)
@@ -48,10 +52,11 @@ def load_hf_weights(chunks, arch: ModelArch, topo: Topology, hf_dir: str, progre
                 used.update(p.hf_names)
                 if progress is not None:
                     progress(shard.numel() * shard.element_size())
-        _check_all_used(src, arch, used)
+        if check_complete:
+            check_all_used(src, arch, used)
     finally:
         src.close()
-    return len(used)
+    return used
 
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
@@ -65,7 +70,7 @@ def _not_part_of_model(name: str, arch: ModelArch) -> bool:
     return m is not None and int(m.group(1)) >= arch.num_layers
 
 
-def _check_all_used(src: HFCheckpoint, arch: ModelArch, used: set[str]) -> None:
+def check_all_used(src: HFCheckpoint, arch: ModelArch, used: set[str]) -> None:
     """Every checkpoint tensor must land in some rank's model, or config.json lies about the weights."""
     if dist.is_initialized():
         everyone: list = [None] * dist.get_world_size()

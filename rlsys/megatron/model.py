@@ -11,6 +11,8 @@ score function, normalization and group-limited top-k.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
@@ -22,6 +24,9 @@ from rlsys.errors import UserError
 from rlsys.topology import Topology
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# rlsys checkpoints key every layer separately (megatron's direction: stacking same-shaped layers into one
+# [num_layers, ...] tensor is being dropped). Per-layer keys let conversion stream one layer at a time.
+CHECKPOINT_METADATA = {"non_homogeneous_layers": True}
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -225,6 +230,7 @@ def build_model(
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
     padded_vocab: int | None = None,
+    meta: bool = False,
     **overrides,
 ):
     """Build this rank's model chunks (one per virtual pipeline stage).
@@ -232,7 +238,8 @@ def build_model(
     ``first_stage_layers`` / ``last_stage_layers`` give an uneven pipeline
     split (e.g. DeepSeek-V3's 61 layers); the other stages share the rest.
     ``padded_vocab`` keeps the vocab padding of a checkpoint saved at another
-    TP size (it must divide by this TP size).
+    TP size (it must divide by this TP size). ``meta=True`` builds shapes
+    only (no memory), for conversions that materialize one layer at a time.
     Returns ``(chunks, config)``; parameters hold zeros until loaded.
     """
     if first_stage_layers is not None:
@@ -248,20 +255,31 @@ def build_model(
     for vp_stage in stages:
         first = topo.pp_rank == 0 and (vp_stage is None or vp_stage == 0)
         last = topo.pp_rank == topo.pp - 1 and (vp_stage is None or vp_stage == topo.vpp - 1)
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=_layer_specs(config, topo, vp_stage),
-            vocab_size=vocab,
-            max_sequence_length=arch.max_position_embeddings,
-            pre_process=first,
-            post_process=last,
-            share_embeddings_and_output_weights=arch.tie_word_embeddings,
-            pg_collection=topo.pg,
-            vp_stage=vp_stage,
-            **_rope_kwargs(arch),
-        )
-        if hasattr(model, "rotary_pos_emb"):
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model = _gpt_model(config, topo, arch, vocab, first, last, vp_stage)
+        if hasattr(model, "rotary_pos_emb") and not meta:
             _fix_llama3_inv_freq(model, arch)
-        model.to(topo.device)
+        if not meta:
+            model.to(topo.device)
         chunks.append(model)
     return chunks, config
+
+
+def _gpt_model(config, topo: Topology, arch: ModelArch, vocab: int, first: bool, last: bool, vp_stage):
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=_layer_specs(config, topo, vp_stage),
+        vocab_size=vocab,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=first,
+        post_process=last,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        pg_collection=topo.pg,
+        vp_stage=vp_stage,
+        **_rope_kwargs(arch),
+    )
+
+
+def sharded_state_dict(chunk) -> dict:
+    """The chunk's ``dist_checkpointing`` state dict, with rlsys's key layout."""
+    return chunk.sharded_state_dict(metadata=dict(CHECKPOINT_METADATA))

@@ -56,8 +56,10 @@ def _canonical_layer_suffix(suffix: str, num_local_experts: int, ep_rank: int) -
     return "mlp.experts.local_experts.{E}." + m.group(2), ep_rank * num_local_experts + int(m.group(1))
 
 
-def iter_mapped_params(chunk, arch: ModelArch, table: ArchTable, topo: Topology) -> Iterator[MappedParam]:
+def iter_mapped_params(chunk, arch: ModelArch, table: ArchTable, topo: Topology, only=None) -> Iterator[MappedParam]:
     """Yield every parameter of one model chunk (and mapped buffers) with its HF mapping.
+
+    ``only(local_name)`` restricts the walk (streaming conversion, one unit at a time).
 
     Raises ``CheckpointError`` for a parameter the table does not cover, so a
     new Megatron option that adds parameters cannot be silently skipped.
@@ -69,6 +71,8 @@ def iter_mapped_params(chunk, arch: ModelArch, table: ArchTable, topo: Topology)
     params = list(chunk.named_parameters())
     buffers = [(n, b) for n, b in chunk.named_buffers() if n.endswith("expert_bias")]
     for name, tensor in params + buffers:
+        if only is not None and not only(name):
+            continue
         is_param = isinstance(tensor, torch.nn.Parameter)
         is_expert = is_param and not getattr(tensor, "allreduce", True)
         m = _LAYER.match(name)
