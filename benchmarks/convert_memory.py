@@ -70,6 +70,12 @@ def peak_process_rss(cmd: list[str]) -> tuple[int, float]:
     return max(peaks.values()) * 1024, time.time() - start
 
 
+IMPORTS = """
+import warnings; warnings.simplefilter("ignore")
+import torch, transformers, megatron.core
+from megatron.core import dist_checkpointing
+import rlsys.convert.mcore_checkpoint, rlsys.megatron.export, rlsys.megatron.load
+"""
 BASELINE = """
 import sys, torch
 from transformers import AutoModelForCausalLM
@@ -86,22 +92,46 @@ def main() -> int:
 
     py = sys.executable
     with tempfile.TemporaryDirectory() as tmp:
-        hf = make_tiny_hf_checkpoint("llama", os.path.join(tmp, "hf"), dtype=torch.bfloat16, max_shard_size="500MB",
-                                     **CONFIG)
+        hf = make_tiny_hf_checkpoint(
+            "llama", os.path.join(tmp, "hf"), dtype=torch.bfloat16, max_shard_size="500MB", **CONFIG
+        )
         size = sum(os.path.getsize(os.path.join(hf, f)) for f in os.listdir(hf) if f.endswith(".safetensors"))
         print(f"checkpoint: {size / 2**20:.0f} MiB bf16 (llama, {size // 2 / 1e6:.0f}M parameters)")
+        imports, _ = peak_process_rss([py, "-c", IMPORTS])
+        print(
+            f"  (a Python process with torch, transformers, megatron-core imported: {imports / size:.2f} x checkpoint;"
+            " 'above imports' subtracts it)"
+        )
         base, secs = peak_process_rss([py, "-c", BASELINE, hf, os.path.join(tmp, "baseline")])
-        print(f"  baseline transformers load+save        peak RSS {base / size:5.2f} x checkpoint  ({secs:.0f}s)")
+        print(
+            f"  baseline transformers load+save         peak RSS {base / size:5.2f} x checkpoint, "
+            f"{(base - imports) / size:5.2f} above imports  ({secs:.0f}s)"
+        )
         for label, flags in LAYOUTS:
             mcore, back = os.path.join(tmp, f"mcore{label}"), os.path.join(tmp, f"back{label}")
-            to_mcore, s1 = peak_process_rss([py, "-m", "tools.convert", "hf-to-mcore", "--hf", hf, "--out", mcore,
-                                             *flags])
-            to_hf, s2 = peak_process_rss([py, "-m", "tools.convert", "mcore-to-hf", "--mcore", mcore, "--out", back,
-                                          "--max-shard-size", "200MB", *flags])
-            print(f"  hf-to-mcore {label:5s} (largest process)     peak RSS {to_mcore / size:5.2f} x checkpoint  "
-                  f"({s1:.0f}s)")
-            print(f"  mcore-to-hf {label:5s} (largest process)     peak RSS {to_hf / size:5.2f} x checkpoint  "
-                  f"({s2:.0f}s)")
+            to_mcore, s1 = peak_process_rss(
+                [py, "-m", "tools.convert", "hf-to-mcore", "--hf", hf, "--out", mcore, *flags]
+            )
+            to_hf, s2 = peak_process_rss(
+                [
+                    py,
+                    "-m",
+                    "tools.convert",
+                    "mcore-to-hf",
+                    "--mcore",
+                    mcore,
+                    "--out",
+                    back,
+                    "--max-shard-size",
+                    "100MB",
+                    *flags,
+                ]
+            )
+            for what, peak, secs in (("hf-to-mcore", to_mcore, s1), ("mcore-to-hf", to_hf, s2)):
+                print(
+                    f"  {what} {label:5s} (largest process)  peak RSS {peak / size:5.2f} x checkpoint, "
+                    f"{(peak - imports) / size:5.2f} above imports  ({secs:.0f}s)"
+                )
     return 0
 
 

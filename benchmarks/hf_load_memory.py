@@ -130,8 +130,10 @@ def main() -> int:
                     ranks.append(json.load(f))
             worst = {k: max(r[k] for r in ranks) for k in ("gained", "read", "seconds")}
             results[variant] = worst
-            print(f"  {variant:6s}: per rank read {worst['read'] / size:.2f} x checkpoint, "
-                  f"peak RSS gained {worst['gained'] / size:.2f} x checkpoint, load {worst['seconds']:.1f}s")
+            print(
+                f"  {variant:6s}: per rank read {worst['read'] / size:.2f} x checkpoint, "
+                f"peak RSS gained {worst['gained'] / size:.2f} x checkpoint, load {worst['seconds']:.1f}s"
+            )
     ratio = {k: results["sliced"][k] / results["full"][k] for k in ("read", "gained")}
     print(f"sliced / full: bytes read {ratio['read']:.2f}, peak RSS gained {ratio['gained']:.2f}")
     return 0
