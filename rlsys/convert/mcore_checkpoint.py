@@ -24,6 +24,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 
+import torch
 import torch.distributed as dist
 
 import rlsys
@@ -73,7 +74,7 @@ def read_meta(mcore_dir: str) -> dict:
     return meta
 
 
-def _build(arch, layout: Layout, dtype: str, device: str, padded_vocab: int | None = None, meta: bool = False):
+def _build(arch, layout: Layout, dtype: str, device: str, padded_vocab: int | None = None, meta: bool = True):
     from rlsys.megatron.model import build_model
     from rlsys.topology import build_topology
 
@@ -88,59 +89,73 @@ def _progress(enabled: bool, desc: str):
     return tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled, mininterval=0.5)
 
 
+def _unit_steps(chunk) -> list:
+    """This rank's units, padded with ``None`` to the most any rank has: saves and loads are collective."""
+    from rlsys.megatron.units import units
+
+    mine = list(units(chunk))
+    most = torch.tensor([len(mine)])
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return mine + [None] * (int(most) - len(mine))
+
+
+def _unit_state(chunk, unit) -> dict:
+    """The unit's slice of the sharded state dict (a tied output layer is the embedding's duplicate)."""
+    if unit is None:
+        return {}
+    tied_copy = getattr(chunk, "share_embeddings_and_output_weights", False) and not chunk.pre_process
+    return {
+        k: v
+        for k, v in sharded_state_dict(chunk).items()
+        if unit.owns(k) and not (tied_copy and k == "output_layer.weight")
+    }
+
+
 def hf_to_mcore_rank(hf_dir: str, out_dir: str, layout: Layout, dtype: str, device: str, overwrite: bool) -> None:
-    """One rank of ``hf-to-mcore``. A single rank streams: it holds one layer at a time."""
+    """One rank of ``hf-to-mcore``: fill and save one unit (a layer, the embedding...) at a time.
+
+    Each step's units (one per rank) form a part checkpoint; the parts merge into one at the end.
+    """
     from megatron.core import dist_checkpointing
 
-    from rlsys.megatron.load import load_hf_weights
+    from rlsys.convert.dcp_merge import merge_parts
+    from rlsys.convert.hf_checkpoint import HFCheckpoint
+    from rlsys.megatron.load import check_all_used, load_hf_weights
+    from rlsys.megatron.units import materialize, release
     from rlsys.topology import destroy_topology
 
     start, rank, tmp = time.time(), dist.get_rank(), partial_dir(out_dir)
     if rank == 0:
         prepare_output(out_dir, overwrite)
     arch = read_arch(hf_dir)
-    streaming = dist.get_world_size() == 1
-    topo, chunks = _build(arch, layout, dtype, device, meta=streaming)
-    dist.barrier()  # the partial directory exists before anyone writes
+    topo, chunks = _build(arch, layout, dtype, device)
+    chunk, used, parts = chunks[0], set(), []
     with _progress(rank == 0, "read HF") as bar:
-        if streaming:
-            count = _stream_hf_to_mcore(chunks[0], arch, topo, hf_dir, tmp, bar.update)
-        else:
-            count = len(load_hf_weights(chunks, arch, topo, hf_dir, progress=bar.update))
-            dist_checkpointing.save(sharded_state_dict(chunks[0]), tmp)
+        for step, unit in enumerate(_unit_steps(chunk)):
+            if unit is not None:
+                materialize(unit)
+                used |= load_hf_weights(
+                    chunks, arch, topo, hf_dir, progress=bar.update, only=unit.owns, check_complete=False
+                )
+            parts.append(os.path.join(tmp, f".part{step:05d}"))
+            if rank == 0:
+                os.makedirs(parts[-1])
+            dist.barrier()
+            dist_checkpointing.save(_unit_state(chunk, unit), parts[-1])
+            if unit is not None:
+                release(unit)
+    used = check_all_used(HFCheckpoint(hf_dir), arch, used)
     if rank == 0:
-        _write_meta(tmp, hf_dir, arch, dtype, layout, chunks[0].vocab_size)
+        merge_parts(parts, tmp)
+        _write_meta(tmp, hf_dir, arch, dtype, layout, chunk.vocab_size)
     destroy_topology()
     dist.barrier()
     if rank == 0:
         commit_output(tmp, out_dir)
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out_dir) for f in fs)
-        print(f"hf-to-mcore: {count} HF tensors -> {out_dir} ({size / 2**20:.1f} MiB) in {time.time() - start:.1f}s")
-
-
-def _stream_hf_to_mcore(chunk, arch, topo, hf_dir: str, tmp: str, progress) -> int:
-    """Fill and save one unit at a time into part checkpoints, then merge them into ``tmp``."""
-    from megatron.core import dist_checkpointing
-
-    from rlsys.convert.dcp_merge import merge_parts
-    from rlsys.convert.hf_checkpoint import HFCheckpoint
-    from rlsys.megatron.load import check_all_used, load_hf_weights
-    from rlsys.megatron.units import materialize, release, units
-
-    used, parts = set(), []
-    for unit in units(chunk):
-        materialize(unit)
-        used |= load_hf_weights([chunk], arch, topo, hf_dir, progress=progress, only=unit.owns, check_complete=False)
-        part = os.path.join(tmp, f".part{len(parts):05d}")
-        os.makedirs(part)
-        sharded = {k: v for k, v in sharded_state_dict(chunk).items() if unit.owns(k)}
-        dist_checkpointing.save(sharded, part)
-        parts.append(part)
-        release(unit)
-    src = HFCheckpoint(hf_dir)
-    check_all_used(src, arch, used)
-    merge_parts(parts, tmp)
-    return len(used)
+        print(
+            f"hf-to-mcore: {len(used)} HF tensors -> {out_dir} ({size / 2**20:.1f} MiB) in {time.time() - start:.1f}s"
+        )
 
 
 def _write_meta(tmp: str, hf_dir: str, arch, dtype: str, layout: Layout, padded_vocab: int) -> None:
@@ -164,9 +179,11 @@ def _write_meta(tmp: str, hf_dir: str, arch, dtype: str, layout: Layout, padded_
 def mcore_to_hf_rank(
     mcore_dir: str, out_dir: str, layout: Layout, dtype: str | None, device: str, max_shard_bytes: int, overwrite: bool
 ) -> None:
-    """One rank of ``mcore-to-hf``. A single rank streams: it holds one layer at a time."""
+    """One rank of ``mcore-to-hf``: load, export and free one unit (a layer, the embedding...) at a time."""
+    from megatron.core import dist_checkpointing
+
     from rlsys.megatron.export import iter_hf_tensors
-    from rlsys.megatron.units import materialize, release, units
+    from rlsys.megatron.units import materialize, release
     from rlsys.topology import destroy_topology
 
     start, rank, tmp = time.time(), dist.get_rank(), partial_dir(out_dir)
@@ -174,21 +191,22 @@ def mcore_to_hf_rank(
         prepare_output(out_dir, overwrite)
     meta = read_meta(mcore_dir)
     arch = arch_from_dict(meta["hf_config"])
-    streaming = dist.get_world_size() == 1
-    topo, chunks = _build(arch, layout, meta["dtype"], device, padded_vocab=meta["padded_vocab"], meta=streaming)
+    topo, chunks = _build(arch, layout, meta["dtype"], device, padded_vocab=meta["padded_vocab"])
     dist.barrier()  # the partial directory exists before anyone writes
     writer = ShardWriter(tmp, part=rank, max_shard_bytes=max_shard_bytes)
-    pieces = list(units(chunks[0])) if streaming else [None]
     with _progress(rank == 0, "write HF") as bar:
-        for unit in pieces:
+        for unit in _unit_steps(chunks[0]):
             if unit is not None:
                 materialize(unit)
-            load_mcore(chunks[0], mcore_dir, unit.owns if unit else None)
-            for name, tensor in iter_hf_tensors(chunks, arch, topo, only=unit.owns if unit else None):
+            state = dist_checkpointing.load(_unit_state(chunks[0], unit), mcore_dir)
+            if unit is None:
+                continue
+            chunks[0].load_state_dict(state, strict=False)
+            # Every member of this rank's TP/EP groups sits on the same stage and walks the same units.
+            for name, tensor in iter_hf_tensors(chunks, arch, topo, only=unit.owns):
                 writer.add(name, tensor.to(DTYPES[output_dtype(meta, name, dtype)]))
                 bar.update(tensor.numel() * tensor.element_size())
-            if unit is not None:
-                release(unit)
+            release(unit)
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, (writer.close(), writer.tensors, writer.bytes))
     destroy_topology()
@@ -203,12 +221,11 @@ def mcore_to_hf_rank(
         )
 
 
-def load_mcore(chunk, mcore_dir: str, only=None) -> None:
-    """Load the chunk's state (or the part ``only`` selects) from a dist checkpoint at any saved layout."""
+def load_mcore(chunk, mcore_dir: str) -> None:
+    """Load a whole (materialized) chunk from a dist checkpoint saved at any layout."""
     from megatron.core import dist_checkpointing
 
-    sharded = {k: v for k, v in sharded_state_dict(chunk).items() if only is None or only(k)}
-    chunk.load_state_dict(dist_checkpointing.load(sharded, mcore_dir), strict=only is None)
+    chunk.load_state_dict(dist_checkpointing.load(sharded_state_dict(chunk), mcore_dir))
 
 
 _SAFETENSORS_DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
@@ -255,7 +272,7 @@ def verify_rank(hf_dir: str, mcore_dir: str, device: str, report_path: str) -> N
 
     meta = read_meta(mcore_dir)
     arch = arch_from_dict(meta["hf_config"])
-    topo, chunks = _build(arch, Layout(), meta["dtype"], device, padded_vocab=meta["padded_vocab"])
+    topo, chunks = _build(arch, Layout(), meta["dtype"], device, padded_vocab=meta["padded_vocab"], meta=False)
     load_mcore(chunks[0], mcore_dir)
     src = HFCheckpoint(hf_dir)
     seen, worst, worst_name, missing = set(), 0.0, None, []

@@ -70,8 +70,11 @@ def _not_part_of_model(name: str, arch: ModelArch) -> bool:
     return m is not None and int(m.group(1)) >= arch.num_layers
 
 
-def check_all_used(src: HFCheckpoint, arch: ModelArch, used: set[str]) -> None:
-    """Every checkpoint tensor must land in some rank's model, or config.json lies about the weights."""
+def check_all_used(src: HFCheckpoint, arch: ModelArch, used: set[str]) -> set[str]:
+    """Every checkpoint tensor must land in some rank's model, or config.json lies about the weights.
+
+    Collective when distributed; returns the names used on all ranks together.
+    """
     if dist.is_initialized():
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, sorted(used))
@@ -83,3 +86,4 @@ def check_all_used(src: HFCheckpoint, arch: ModelArch, used: set[str]) -> None:
             f"{len(unused)} checkpoint tensor(s) in '{src.dir}' are not used by the {arch.model_type} model "
             f"built from its config.json: {shown}"
         )
+    return used
