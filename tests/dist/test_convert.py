@@ -92,3 +92,19 @@ def test_shape_mismatch_and_overwrite(tmp_path, make_checkpoint, capsys):
     assert "does not match its config.json" in capsys.readouterr().err
     assert (mcore / "rlsys_meta.json").exists()  # the failed overwrite left the old checkpoint alone
     assert not (tmp_path / "mcore.partial").exists()
+
+
+def test_conversion_under_torchrun(tmp_path, tiny_checkpoints):
+    import subprocess
+    import sys
+
+    from rlsys.local_ranks import free_port
+
+    src, mcore, back = tiny_checkpoints["qwen3_moe"], str(tmp_path / "mcore"), str(tmp_path / "back")
+    env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=str(free_port()))
+    for args in (["hf-to-mcore", "--hf", src, "--out", mcore, "--ep", "2"],
+                 ["mcore-to-hf", "--mcore", mcore, "--out", back, "--tp", "2"]):
+        res = subprocess.run(["bash", "launch/torchrun.sh", "2", "convert", *args], capture_output=True, text=True,
+                             timeout=600, env=env)
+        assert res.returncode == 0, res.stderr[-3000:]
+    assert_bit_exact(src, back)
