@@ -62,7 +62,7 @@ def load_hf_weights(
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def _not_part_of_model(name: str, arch: ModelArch) -> bool:
+def not_part_of_model(name: str, arch: ModelArch) -> bool:
     """Rotary caches, multi-token-prediction layers (index >= num_layers), a tied model's lm_head."""
     if name.endswith("rotary_emb.inv_freq") or (arch.tie_word_embeddings and name == "lm_head.weight"):
         return True
@@ -79,7 +79,7 @@ def check_all_used(src: HFCheckpoint, arch: ModelArch, used: set[str]) -> set[st
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, sorted(used))
         used = set().union(*everyone)
-    unused = [n for n in src.names() if n not in used and not _not_part_of_model(n, arch)]
+    unused = [n for n in src.names() if n not in used and not not_part_of_model(n, arch)]
     if unused:
         shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
         raise CheckpointError(
