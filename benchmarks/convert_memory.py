@@ -8,7 +8,7 @@ the peak RSS of the largest process divided by the checkpoint size, and the
 same for a baseline measured in the same run: ``transformers`` loading the
 full model and ``save_pretrained``-ing it (what a naive converter does).
 
-Run: ``python benchmarks/convert_memory.py``.
+Run: ``python benchmarks/convert_memory.py`` (or ``... large`` for ~850M parameters).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ CONFIG = dict(
     max_position_embeddings=512,
     tie_word_embeddings=False,
 )
+# ``python benchmarks/convert_memory.py large``: ~850M parameters, where the interpreter matters less.
+LARGE = dict(CONFIG, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16)
 LAYOUTS = (("TP=1", []), ("PP=2", ["--pp", "2"]))
 
 

@@ -21,9 +21,12 @@ def assert_bit_exact(a_dir, b_dir):
         assert x.dtype == y.dtype and torch.equal(x, y), name
 
 
-ROUND_TRIPS = [  # (model_type, dtype, save layout flags, export layout flags)
+ROUND_TRIPS = [  # (model_type, dtype, save layout flags, export layout flags): every architecture in both dtypes
     ("llama", "fp32", ["--tp", "2"], []),
+    ("llama", "bf16", ["--pp", "2"], ["--tp", "2"]),
     ("qwen2", "fp32", ["--pp", "2"], ["--tp", "2"]),  # tied embeddings over two stages
+    ("qwen2", "bf16", ["--tp", "2"], []),
+    ("qwen3", "fp32", ["--pp", "2"], []),
     ("qwen3", "bf16", ["--tp", "2"], ["--pp", "2"]),
     ("qwen3_moe", "fp32", ["--ep", "2"], ["--tp", "2"]),
     ("qwen3_moe", "bf16", ["--tp", "2"], ["--ep", "2"]),
