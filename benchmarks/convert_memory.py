@@ -93,9 +93,10 @@ def main() -> int:
     from rlsys.tiny_models import make_tiny_hf_checkpoint
 
     py = sys.executable
+    config = LARGE if sys.argv[1:] == ["large"] else CONFIG
     with tempfile.TemporaryDirectory() as tmp:
         hf = make_tiny_hf_checkpoint(
-            "llama", os.path.join(tmp, "hf"), dtype=torch.bfloat16, max_shard_size="500MB", **CONFIG
+            "llama", os.path.join(tmp, "hf"), dtype=torch.bfloat16, max_shard_size="500MB", **config
         )
         size = sum(os.path.getsize(os.path.join(hf, f)) for f in os.listdir(hf) if f.endswith(".safetensors"))
         print(f"checkpoint: {size / 2**20:.0f} MiB bf16 (llama, {size // 2 / 1e6:.0f}M parameters)")
