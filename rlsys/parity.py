@@ -9,7 +9,6 @@ fp32 on the same tokens.
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from rlsys.convert.hf_config import read_arch
 from rlsys.convert.mcore_checkpoint import read_meta
 from rlsys.errors import UserError
 from rlsys.local_ranks import run_on_ranks
+from rlsys.topology import min_world_size
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,7 @@ class ParityLayout:
     dp: int = 1  # extra data-parallel replicas (each runs the same batch)
 
     def world_size(self) -> int:
-        """Smallest world that holds the grid (TP*PP and ETP*EP*PP both divide it), times ``dp``."""
-        etp = self.etp or self.tp
-        return math.lcm(self.tp, etp * self.ep) * self.pp * self.dp
+        return min_world_size(self.tp, self.pp, self.ep, self.etp) * self.dp
 
 
 def fixed_tokens(vocab_size: int, batch: int, seq_len: int, seed: int = 1234) -> torch.Tensor:

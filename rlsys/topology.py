@@ -9,6 +9,7 @@ globals that may belong to another grid.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -58,6 +59,11 @@ class Topology:
             f"tp {self.tp_rank}/{self.tp} pp {self.pp_rank}/{self.pp} cp {self.cp_rank}/{self.cp} "
             f"ep {self.ep_rank}/{self.ep} etp {self.etp_rank}/{self.etp} dp {self.dp_rank}/{self.dp}"
         )
+
+
+def min_world_size(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, cp: int = 1) -> int:
+    """The smallest world holding the grid: TP*CP*PP and ETP*EP*PP must both divide it."""
+    return math.lcm(tp * cp, (etp or tp) * ep) * pp
 
 
 def init_distributed(device: str = "cpu", timeout_minutes: int = 10) -> None:

@@ -21,7 +21,6 @@ so a failed conversion leaves no half checkpoint behind.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import time
@@ -43,6 +42,7 @@ from rlsys.convert.hf_writer import (
 )
 from rlsys.errors import CheckpointError, UserError
 from rlsys.megatron.model import sharded_state_dict
+from rlsys.topology import min_world_size
 
 META_FILE = "rlsys_meta.json"
 HF_SIDE_DIR = "hf"
@@ -57,7 +57,7 @@ class Layout:
     etp: int | None = None
 
     def world_size(self) -> int:
-        return math.lcm(self.tp, (self.etp or self.tp) * self.ep) * self.pp
+        return min_world_size(self.tp, self.pp, self.ep, self.etp)
 
 
 def read_meta(mcore_dir: str) -> dict:
