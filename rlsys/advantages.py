@@ -48,12 +48,6 @@ def _per_row(x: Lambda, batch: int, like: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``sum(x * m) / sum(m)`` over all elements."""
-    m = _float_mask(mask, x)
-    return (x * m).sum() / m.sum().clamp(min=1)
-
-
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """Whiten over all valid tokens of the batch: ``(x - mean) / (std + eps)`` on valid tokens, 0 elsewhere.
 
