@@ -31,10 +31,9 @@ def _cmd_check_parity(args) -> int:
     from rlsys.config import ParallelConfig
     from rlsys.convert.hf_checkpoint import HFCheckpoint
     from rlsys.convert.hf_config import read_arch
-    from rlsys.errors import ConfigError
     from rlsys.local_ranks import launched_by_torchrun
     from rlsys.parity import ParityLayout, check_parity, check_parity_in_group
-    from rlsys.plan import check_parallel
+    from rlsys.plan import check_layout_flags
 
     arch = read_arch(args.hf)
     HFCheckpoint(args.hf)  # fail fast on a broken index before starting ranks
@@ -49,11 +48,7 @@ def _cmd_check_parity(args) -> int:
         last_stage_layers=args.last_stage_layers,
     )
     layout = ParityLayout(**grid)
-    parallel = ParallelConfig(**{k: v for k, v in grid.items() if k != "dp"})
-    try:
-        check_parallel("layout", parallel, layout.world_size(), arch)
-    except ConfigError as e:
-        raise UserError(f"--{e.path.rsplit('.', 1)[-1]} {e.message}") from None
+    check_layout_flags(ParallelConfig(**{k: v for k, v in grid.items() if k != "dp"}), layout.world_size(), arch)
     run = dict(seq_len=args.seq_len, batch=args.batch, device=args.device)
     if launched_by_torchrun():
         diff = check_parity_in_group(args.hf, layout, **run)

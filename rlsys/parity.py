@@ -120,22 +120,23 @@ def check_parity_in_group(hf_dir: str, layout: ParityLayout, seq_len: int = 32, 
 
     The reporting rank (last stage, TP 0, DP 0) also runs the HF reference, on CPU in fp32.
     """
+    tokens = fixed_tokens(read_arch(hf_dir).vocab_size, batch, seq_len)
+    result: list[float] = []
+    run_on_ranks(_parity_in_group_rank, layout.world_size(), device, hf_dir, layout, tokens, device, result)
+    return result[0] if result else None
+
+
+def _parity_in_group_rank(hf_dir: str, layout: ParityLayout, tokens, device: str, result: list) -> None:
     import torch.distributed as dist
 
-    from rlsys.topology import init_distributed
-
-    arch = read_arch(hf_dir)
-    init_distributed(device)
-    if dist.get_world_size() != layout.world_size():
-        raise UserError(f"the layout needs {layout.world_size()} ranks, the launcher started {dist.get_world_size()}")
-    tokens = fixed_tokens(arch.vocab_size, batch, seq_len)
     logits = megatron_logits_on_rank(hf_dir, layout, tokens, device)
     diff = torch.zeros(1, device="cuda" if device == "cuda" else "cpu")
     if logits is not None:
         diff += _max_diff(logits, hf_logits(hf_dir, tokens))
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        result.append(diff.item())
     dist.destroy_process_group()
-    return diff.item() if int(os.environ["RANK"]) == 0 else None
 
 
 def _max_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:

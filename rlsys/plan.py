@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from rlsys.config import ROLES, ModelConfig, ParallelConfig, RoleConfig, RunConfig
 from rlsys.convert.hf_config import ModelArch, arch_from_dict, read_arch
-from rlsys.errors import ConfigError
+from rlsys.errors import ConfigError, UserError
 from rlsys.sizing import (
     MemoryEstimate,
     ParamCount,
@@ -162,6 +162,14 @@ def check_parallel(key: str, p: ParallelConfig, size: int, arch: ModelArch) -> N
         _check_mla(key, p.tp, arch)
     # The vocab needs no rule: Megatron pads it to a multiple of make_vocab_size_divisible_by * tp.
     _check_experts(key, p, size, arch)
+
+
+def check_layout_flags(p: ParallelConfig, size: int, arch: ModelArch) -> None:
+    """``check_parallel`` for commands that take the layout as flags: errors name the flag (``--tp 3 ...``)."""
+    try:
+        check_parallel("layout", p, size, arch)
+    except ConfigError as e:
+        raise UserError(f"--{e.path.rsplit('.', 1)[-1]} {e.message}") from None
 
 
 def _check_mla(key: str, tp: int, arch: ModelArch) -> None:

@@ -40,7 +40,7 @@ from rlsys.convert.hf_writer import (
     partial_dir,
     prepare_output,
 )
-from rlsys.errors import CheckpointError, UserError
+from rlsys.errors import CheckpointError
 from rlsys.megatron.model import sharded_state_dict
 from rlsys.topology import min_world_size
 
@@ -75,12 +75,13 @@ def read_meta(mcore_dir: str) -> dict:
     return meta
 
 
-def _build(arch, layout: Layout, dtype: str, device: str, padded_vocab: int | None = None, meta: bool = True):
+def _build(arch, layout: Layout, dtype: str, device: str, padded_vocab: int | None = None):
+    """This rank's model on the meta device: conversions materialize it one unit at a time."""
     from rlsys.megatron.model import build_model
     from rlsys.topology import build_topology
 
     topo = build_topology(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, device=device)
-    chunks, _ = build_model(arch, topo, dtype=dtype, padded_vocab=padded_vocab, meta=meta)
+    chunks, _ = build_model(arch, topo, dtype=dtype, padded_vocab=padded_vocab, meta=True)
     return topo, chunks
 
 
@@ -181,10 +182,6 @@ def mcore_to_hf_rank(
     mcore_dir: str, out_dir: str, layout: Layout, dtype: str | None, device: str, max_shard_bytes: int, overwrite: bool
 ) -> None:
     """One rank of ``mcore-to-hf``: load, export and free one unit (a layer, the embedding...) at a time."""
-    from megatron.core import dist_checkpointing
-
-    from rlsys.megatron.export import iter_hf_tensors
-    from rlsys.megatron.units import materialize, release
     from rlsys.topology import destroy_topology
 
     start, rank, tmp = time.time(), dist.get_rank(), partial_dir(out_dir)
@@ -196,18 +193,9 @@ def mcore_to_hf_rank(
     dist.barrier()  # the partial directory exists before anyone writes
     writer = ShardWriter(tmp, part=rank, max_shard_bytes=max_shard_bytes)
     with _progress(rank == 0, "write HF") as bar:
-        for unit in _unit_steps(chunks[0]):
-            if unit is not None:
-                materialize(unit)
-            state = dist_checkpointing.load(_unit_state(chunks[0], unit), mcore_dir)
-            if unit is None:
-                continue
-            chunks[0].load_state_dict(state, strict=False)
-            # Every member of this rank's TP/EP groups sits on the same stage and walks the same units.
-            for name, tensor in iter_hf_tensors(chunks, arch, topo, only=unit.owns):
-                writer.add(name, tensor.to(DTYPES[output_dtype(meta, name, dtype)]))
-                bar.update(tensor.numel() * tensor.element_size())
-            release(unit)
+        for name, tensor in iter_mcore_as_hf(chunks, arch, topo, mcore_dir):
+            writer.add(name, tensor.to(DTYPES[output_dtype(meta, name, dtype)]))
+            bar.update(tensor.numel() * tensor.element_size())
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, (writer.close(), writer.tensors, writer.bytes))
     destroy_topology()
@@ -220,6 +208,28 @@ def mcore_to_hf_rank(
             f"mcore-to-hf: {tensors} tensors, {total / 2**20:.1f} MiB in {shards} shard(s) -> {out_dir} "
             f"in {time.time() - start:.1f}s"
         )
+
+
+def iter_mcore_as_hf(chunks, arch, topo, mcore_dir: str):
+    """Stream a dist checkpoint as full HF tensors: load, export and free one unit at a time.
+
+    Collective; the tensors come out on the exporter's writer ranks (see ``megatron/export.py``).
+    """
+    from megatron.core import dist_checkpointing
+
+    from rlsys.megatron.export import iter_hf_tensors
+    from rlsys.megatron.units import materialize, release
+
+    for unit in _unit_steps(chunks[0]):
+        if unit is not None:
+            materialize(unit)
+        state = dist_checkpointing.load(_unit_state(chunks[0], unit), mcore_dir)
+        if unit is None:
+            continue
+        chunks[0].load_state_dict(state, strict=False)
+        # Every member of this rank's TP/EP groups sits on the same stage and walks the same units.
+        yield from iter_hf_tensors(chunks, arch, topo, only=unit.owns)
+        release(unit)
 
 
 def load_mcore(chunk, mcore_dir: str) -> None:
@@ -265,19 +275,17 @@ def _write_hf_side_files(mcore_dir: str, out: str, meta: dict, dtype: str | None
 
 
 def verify_rank(hf_dir: str, mcore_dir: str, device: str, report_path: str) -> None:
-    """Export the Megatron checkpoint at TP=PP=1 and compare tensor by tensor with the HF checkpoint."""
+    """Stream the Megatron checkpoint as HF tensors on one rank and compare them one by one with the HF checkpoint."""
     from rlsys.convert.hf_checkpoint import HFCheckpoint
-    from rlsys.megatron.export import iter_hf_tensors
     from rlsys.megatron.load import not_part_of_model
     from rlsys.topology import destroy_topology
 
     meta = read_meta(mcore_dir)
     arch = arch_from_dict(meta["hf_config"])
-    topo, chunks = _build(arch, Layout(), meta["dtype"], device, padded_vocab=meta["padded_vocab"], meta=False)
-    load_mcore(chunks[0], mcore_dir)
+    topo, chunks = _build(arch, Layout(), meta["dtype"], device, padded_vocab=meta["padded_vocab"])
     src = HFCheckpoint(hf_dir)
     seen, worst, worst_name, missing = set(), 0.0, None, []
-    for name, ours in iter_hf_tensors(chunks, arch, topo):
+    for name, ours in iter_mcore_as_hf(chunks, arch, topo, mcore_dir):
         seen.add(name)
         if name not in src:
             missing.append(name)
@@ -303,22 +311,13 @@ def verify_rank(hf_dir: str, mcore_dir: str, device: str, report_path: str) -> N
         )
 
 
-def check_layout(arch_source: dict, layout: Layout) -> None:
-    """Layout rules against the model, as CLI flag errors."""
+def check_layout(hf_config: dict, layout: Layout) -> None:
+    """The layout flags against the model (one ``error: --flag ...`` line on failure)."""
     from rlsys.config import ParallelConfig
-    from rlsys.errors import ConfigError
-    from rlsys.plan import check_parallel
+    from rlsys.plan import check_layout_flags
 
-    arch = arch_from_dict(arch_source)
-    try:
-        check_parallel(
-            "layout",
-            ParallelConfig(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp),
-            layout.world_size(),
-            arch,
-        )
-    except ConfigError as e:
-        raise UserError(f"--{e.path.rsplit('.', 1)[-1]} {e.message}") from None
+    parallel = ParallelConfig(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp)
+    check_layout_flags(parallel, layout.world_size(), arch_from_dict(hf_config))
 
 
 def default_dtype(hf_config: dict) -> str:

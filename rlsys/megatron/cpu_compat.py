@@ -140,14 +140,8 @@ def apply_te_absent_fixes() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-    if not _transformer_engine_importable():
+    from rlsys.megatron.model import have_transformer_engine
+
+    if not have_transformer_engine():
         mla.HAVE_TE = False
         mla.TELinear = type("TELinearAbsent", (), {})
-
-
-def _transformer_engine_importable() -> bool:
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # a broken TE raises RuntimeError/OSError, not only ImportError
-        return False
-    return True
