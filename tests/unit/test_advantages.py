@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlsys.advantages import (
+from rlsys.algorithms.advantages import (
     AdaptiveKLController,
     FixedKLController,
     broadcast_to_tokens,

@@ -1,0 +1,1 @@
+"""RL mathematics as pure tensor functions (see the README's algorithm table)."""
