@@ -94,6 +94,8 @@ def gae(
     response_mask: torch.Tensor,
     gamma: float,
     lam: Lambda,
+    whiten: bool = True,
+    eps: float = 1e-8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation over the valid response tokens.
 
@@ -104,8 +106,10 @@ def gae(
         R_t     = A_t + V_t
 
     ``lam`` is a float or a per-sequence ``[batch]`` tensor (e.g. from ``length_adaptive_lambda``).
-    Returns ``(advantages, returns)``, both ``[batch, seq]`` and 0 on masked positions. No
-    whitening is applied; call ``masked_whiten`` on the advantages if wanted (verl does).
+    Returns ``(advantages, returns)``, both ``[batch, seq]`` and 0 on masked positions. As in
+    verl and TRL the advantages are whitened over the valid tokens of the batch
+    (``masked_whiten``; ``whiten=False`` returns the raw ``A_t``); the returns, the critic's
+    targets, are never whitened.
     """
     if rewards.shape != values.shape or rewards.shape != response_mask.shape:
         raise ValueError(
@@ -129,6 +133,8 @@ def gae(
         next_value = torch.where(mt > 0, values[:, t], next_value)
         next_adv = torch.where(mt > 0, adv, next_adv)
     returns = (advantages + values) * m
+    if whiten:
+        advantages = masked_whiten(advantages, response_mask, eps)
     return advantages, returns
 
 
@@ -139,15 +145,16 @@ def decoupled_gae(
     gamma: float,
     lam_actor: Lambda,
     lam_critic: Lambda,
+    whiten: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decoupled GAE (VAPO): different lambdas for the policy and the value targets.
 
-    ``actor_advantages = gae(..., lam_actor).advantages`` and
+    ``actor_advantages = gae(..., lam_actor).advantages`` (whitened unless ``whiten=False``) and
     ``critic_returns = gae(..., lam_critic).advantages + V`` (VAPO uses ``lam_critic = 1``,
     i.e. unbiased Monte-Carlo value targets, and a length-adaptive ``lam_actor``).
     """
-    actor_advantages, _ = gae(rewards, values, response_mask, gamma, lam_actor)
-    _, critic_returns = gae(rewards, values, response_mask, gamma, lam_critic)
+    actor_advantages, _ = gae(rewards, values, response_mask, gamma, lam_actor, whiten=whiten)
+    _, critic_returns = gae(rewards, values, response_mask, gamma, lam_critic, whiten=False)
     return actor_advantages, critic_returns
 
 

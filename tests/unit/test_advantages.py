@@ -68,7 +68,7 @@ def test_gae_hand_computed_with_padding():
     rewards = T([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 2.0]])
     values = T([[0.5, 0.6, 0.7, 0.0], [1.0, 1.0, 1.0, 1.0]])
     mask = T([[1, 1, 1, 0], [1, 1, 1, 1]])
-    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.8)  # gamma * lam = 0.72
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.8, whiten=False)  # gamma * lam = 0.72
     # Row 0 (last valid token t=2, the value after it is 0):
     #   t=2: delta = 1 + 0 - 0.7 = 0.3;              A = 0.3
     #   t=1: delta = 0 + 0.9*0.7 - 0.6 = 0.03;       A = 0.03 + 0.72*0.3   = 0.246
@@ -86,7 +86,7 @@ def test_gae_hand_computed_with_padding():
 def test_gae_gamma_lam_one_is_monte_carlo_minus_value():
     rewards = T([[0.0, 0.0, 1.0]])
     values = T([[0.5, 0.6, 0.7]])
-    adv, ret = gae(rewards, values, torch.ones(1, 3, dtype=torch.bool), gamma=1.0, lam=1.0)
+    adv, ret = gae(rewards, values, torch.ones(1, 3, dtype=torch.bool), gamma=1.0, lam=1.0, whiten=False)
     # reward-to-go is 1 everywhere: A = 1 - V, returns = 1
     close(adv, [[0.5, 0.4, 0.3]])
     close(ret, [[1.0, 1.0, 1.0]])
@@ -96,17 +96,17 @@ def test_gae_padding_does_not_leak():
     rewards = T([[0.0, 1.0, 0.0, 0.0]])
     values = T([[0.2, 0.4, 0.0, 0.0]])
     mask = T([[1.0, 1.0, 0.0, 0.0]])
-    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.95)
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.95, whiten=False)
     # Garbage in the padding (huge values and rewards) must change nothing.
     junk_r = rewards.clone()
     junk_v = values.clone()
     junk_r[0, 2:] = 1e6
     junk_v[0, 2:] = -1e6
-    adv_j, ret_j = gae(junk_r, junk_v, mask, gamma=0.9, lam=0.95)
+    adv_j, ret_j = gae(junk_r, junk_v, mask, gamma=0.9, lam=0.95, whiten=False)
     close(adv_j, adv)
     close(ret_j, ret)
     # Same as the unpadded row on its own.
-    adv_short, ret_short = gae(rewards[:, :2], values[:, :2], mask[:, :2], gamma=0.9, lam=0.95)
+    adv_short, ret_short = gae(rewards[:, :2], values[:, :2], mask[:, :2], gamma=0.9, lam=0.95, whiten=False)
     close(adv[:, :2], adv_short)
     close(ret[:, :2], ret_short)
     # t=1: delta = 1 + 0 - 0.4 = 0.6; t=0: delta = 0.9*0.4 - 0.2 = 0.16, A = 0.16 + 0.855*0.6 = 0.673
@@ -118,7 +118,7 @@ def test_gae_skips_masked_hole_inside_response():
     # A masked hole (e.g. tool output) between two valid tokens is not a step.
     rewards = T([[0.0, 5.0, 1.0]])
     values = T([[0.5, 9.0, 0.7]])
-    adv, _ = gae(rewards, values, T([[1, 0, 1]]), gamma=0.9, lam=0.8)
+    adv, _ = gae(rewards, values, T([[1, 0, 1]]), gamma=0.9, lam=0.8, whiten=False)
     # t=2: A = 1 - 0.7 = 0.3; t=0: delta = 0.9*0.7 - 0.5 = 0.13, A = 0.13 + 0.72*0.3 = 0.346
     close(adv, [[0.346, 0.0, 0.3]])
 
@@ -133,7 +133,7 @@ def test_gae_variable_lengths_match_reference_loop():
     for b, n in enumerate(lengths):
         mask[b, :n] = 1
     mask[4, 5] = 1  # a second segment after a hole
-    adv, ret = gae(rewards, values, mask, gamma=0.99, lam=0.95)
+    adv, ret = gae(rewards, values, mask, gamma=0.99, lam=0.95, whiten=False)
     for b in range(batch):
         ref_adv, ref_ret = ref_gae_row(rewards[b].tolist(), values[b].tolist(), mask[b].tolist(), 0.99, 0.95)
         close(adv[b], ref_adv, atol=1e-10)
@@ -144,14 +144,14 @@ def test_gae_per_sequence_lambda():
     rewards = T([[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
     values = T([[0.5, 0.6, 0.7], [0.5, 0.6, 0.7]])
     mask = torch.ones(2, 3)
-    adv, ret = gae(rewards, values, mask, gamma=1.0, lam=T([0.0, 1.0]))
+    adv, ret = gae(rewards, values, mask, gamma=1.0, lam=T([0.0, 1.0]), whiten=False)
     # lam=0: A = one-step TD error: [0.6-0.5, 0.7-0.6, 1-0.7] = [0.1, 0.1, 0.3]
     # lam=1, gamma=1: A = reward-to-go - V = [0.5, 0.4, 0.3]
     close(adv, [[0.1, 0.1, 0.3], [0.5, 0.4, 0.3]])
     close(ret, [[0.6, 0.7, 1.0], [1.0, 1.0, 1.0]])
     # Row by row against float lambdas.
     for b, lam in enumerate([0.0, 1.0]):
-        adv_b, _ = gae(rewards[b : b + 1], values[b : b + 1], mask[b : b + 1], gamma=1.0, lam=lam)
+        adv_b, _ = gae(rewards[b : b + 1], values[b : b + 1], mask[b : b + 1], gamma=1.0, lam=lam, whiten=False)
         close(adv[b : b + 1], adv_b)
 
 
@@ -166,12 +166,12 @@ def test_decoupled_gae():
     rewards = T([[0.0, 0.0, 1.0, 0.0]])
     values = T([[0.5, 0.6, 0.7, 3.0]])
     mask = T([[1, 1, 1, 0]])
-    actor, critic = decoupled_gae(rewards, values, mask, gamma=1.0, lam_actor=0.0, lam_critic=1.0)
+    actor, critic = decoupled_gae(rewards, values, mask, gamma=1.0, lam_actor=0.0, lam_critic=1.0, whiten=False)
     # actor (lam=0): TD errors [0.1, 0.1, 0.3]; critic (lam=1): Monte-Carlo returns [1, 1, 1]
     close(actor, [[0.1, 0.1, 0.3, 0.0]])
     close(critic, [[1.0, 1.0, 1.0, 0.0]])
     # Per-sequence actor lambda is accepted too.
-    actor_t, _ = decoupled_gae(rewards, values, mask, 1.0, lam_actor=T([0.0]), lam_critic=1.0)
+    actor_t, _ = decoupled_gae(rewards, values, mask, 1.0, lam_actor=T([0.0]), lam_critic=1.0, whiten=False)
     close(actor_t, actor)
 
 
@@ -188,7 +188,7 @@ def test_length_adaptive_lambda_feeds_gae():
     close(lam, [0.5, 0.0])
     rewards = T([[0.0, 0.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0]])
     values = torch.zeros(2, 4)
-    adv, _ = gae(rewards, values, mask, gamma=1.0, lam=lam)
+    adv, _ = gae(rewards, values, mask, gamma=1.0, lam=lam, whiten=False)
     # row 0: A_t = 0.5^(3-t) -> [0.125, 0.25, 0.5, 1]; row 1 (lam=0): A = r -> [0, 1]
     close(adv, [[0.125, 0.25, 0.5, 1.0], [0.0, 1.0, 0.0, 0.0]])
 
@@ -377,3 +377,17 @@ def test_fixed_kl_controller():
     ctl = FixedKLController(beta=0.05)
     assert ctl.update(100.0, 1000) == 0.05
     assert ctl.beta == 0.05
+
+
+def test_gae_whitens_advantages_by_default_but_not_returns():
+    rewards = T([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 2.0]])
+    values = T([[0.5, 0.6, 0.7, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    mask = T([[1, 1, 1, 0], [1, 1, 1, 1]])
+    raw, raw_ret = gae(rewards, values, mask, gamma=0.9, lam=0.8, whiten=False)
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    valid = [0.21712, 0.246, 0.3, 0.149408, 0.3464, 0.62, 1.0]
+    mean = sum(valid) / 7
+    std = math.sqrt(sum((v - mean) ** 2 for v in valid) / 6)
+    expected = [[(v - mean) / (std + 1e-8) for v in valid[:3]] + [0.0], [(v - mean) / (std + 1e-8) for v in valid[3:]]]
+    close(adv, expected)
+    assert torch.equal(ret, raw_ret)
