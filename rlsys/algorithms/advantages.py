@@ -2,8 +2,8 @@
 
 Shapes: token-level tensors are ``[batch, seq]`` with a ``response_mask`` (bool or float,
 1 on response tokens, 0 on padding / prompt / tool-output tokens); per-sequence tensors are
-``[batch]``, with integer ``group_ids`` ``[batch]`` marking samples of the same prompt (any
-integers, groups of any size, in any order).
+``[batch]``, with ``group_ids`` marking samples of the same prompt: an integer tensor ``[batch]`` or a
+sequence of any hashable prompt ids (groups of any size, in any order).
 
 Conventions (shared by every estimator here):
 
@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from rlsys.algorithms.filters import GroupIds, as_group_index
 
 Lambda = float | torch.Tensor
 
@@ -175,12 +177,12 @@ def length_adaptive_lambda(response_lengths: torch.Tensor, alpha: float) -> torc
 # ---------------------------------------------------------------------------
 
 
-def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _group_stats(scores: torch.Tensor, group_ids: GroupIds) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sample ``(group size, group mean, Bessel-corrected group std)``, all ``[batch]``."""
-    if scores.shape != group_ids.shape or scores.dim() != 1:
-        raise ValueError(f"scores {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} must both be [batch]")
-    # Arbitrary ids -> 0..G-1, so we can scatter into dense per-group buffers.
-    _, inverse = torch.unique(group_ids, return_inverse=True)
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be [batch], got {tuple(scores.shape)}")
+    # Arbitrary ids (ints, strings) -> 0..G-1, so we can scatter into dense per-group buffers.
+    inverse = as_group_index(group_ids, scores.shape[0]).to(scores.device)
     num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
     counts = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(
         0, inverse, torch.ones_like(scores)
@@ -197,7 +199,7 @@ def _float_scores(scores: torch.Tensor) -> torch.Tensor:
 
 
 def grpo_advantages(
-    scores: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True, eps: float = 1e-6
+    scores: torch.Tensor, group_ids: GroupIds, norm_by_std: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
     """GRPO outcome advantages, ``[batch]``.
 
@@ -213,7 +215,7 @@ def grpo_advantages(
     return torch.where(counts > 1, adv, torch.zeros_like(adv))
 
 
-def rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+def rloo_advantages(scores: torch.Tensor, group_ids: GroupIds) -> torch.Tensor:
     """RLOO advantages, ``[batch]``: ``A_i = s_i - (sum_{j in g, j != i} s_j) / (n_g - 1)``.
 
     Equivalently ``n_g / (n_g - 1) * (s_i - mean_g)``. A sample alone in its group gets 0.
@@ -256,7 +258,7 @@ def reinforce_pp_advantages(
 
 
 def reinforce_pp_baseline_advantages(
-    scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor, eps: float = 1e-8
+    scores: torch.Tensor, group_ids: GroupIds, response_mask: torch.Tensor, eps: float = 1e-8
 ) -> torch.Tensor:
     """REINFORCE++-baseline advantages, ``[batch, seq]``.
 

@@ -391,3 +391,15 @@ def test_gae_whitens_advantages_by_default_but_not_returns():
     expected = [[(v - mean) / (std + 1e-8) for v in valid[:3]] + [0.0], [(v - mean) / (std + 1e-8) for v in valid[3:]]]
     close(adv, expected)
     assert torch.equal(ret, raw_ret)
+
+
+def test_group_ids_may_be_prompt_strings():
+    scores = T([1.0, 0.0, 3.0, 1.0])
+    by_tensor = grpo_advantages(scores, torch.tensor([7, 2, 2, 7]))
+    by_string = grpo_advantages(scores, ["q7", "q2", "q2", "q7"])
+    assert torch.equal(by_tensor, by_string)
+    assert torch.equal(
+        rloo_advantages(scores, ["a", "b", "b", "a"]), rloo_advantages(scores, torch.tensor([0, 1, 1, 0]))
+    )
+    with pytest.raises(ValueError, match="group_ids must have length 4"):
+        grpo_advantages(scores, ["a", "b"])
