@@ -124,22 +124,61 @@ class RolloutConfig:
 
 
 @dataclass
+class MismatchConfig:
+    """Correction for rollout-engine vs trainer log-prob differences (rlsys.algorithms.mismatch)."""
+
+    mode: Literal["none", "tis", "mis"] = "none"  # tis: truncate the weight at cap; mis: drop outside [lower, cap]
+    level: Literal["token", "sequence", "geometric"] = "token"  # unit the importance ratio is taken over
+    cap: float = 2.0
+    lower: float | None = None  # mis only: also drop ratios below this
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO: keep only groups whose rewards differ, generating more until the batch is full."""
+
+    enabled: bool = False
+    max_rounds: int = 4  # generation rounds per step before giving up
+    on_exhausted: Literal["error", "partial"] = "partial"  # partial: train on the groups found
+
+
+@dataclass
+class OverlongConfig:
+    """DAPO soft overlong punishment, added to the task reward."""
+
+    enabled: bool = False
+    buffer_length: int = 256  # tokens before max_new_tokens where the penalty ramps from 0 to -penalty_factor
+    penalty_factor: float = 1.0
+
+
+@dataclass
 class AlgorithmConfig:
     name: AlgorithmName = "grpo"
     clip_low: float = 0.2  # ratio clip below 1 - clip_low
     clip_high: float = 0.28  # ratio clip above 1 + clip_high (DAPO "clip-higher")
     dual_clip: float | None = None  # dual-clip constant c > 1 for negative advantages; None = off
+    log_ratio_clip: float | None = None  # clamp log(ratio) to [-x, x] before exp (stability); None = off
     kl_coef: float = 0.001  # weight of the KL(actor || ref) term; 0 = no KL, ref can be disabled
     kl_estimator: Literal["k1", "k2", "k3", "k3+"] = "k3"  # Schulman's estimators; k3+ = k3 with k2 gradient
     use_kl_loss: bool = True  # KL as a loss term (GRPO) instead of a reward penalty (PPO-style)
+    kl_target: float | None = None  # KL-in-reward only: adapt kl_coef towards this KL; None = fixed
+    kl_horizon: int = 10000  # adaptive KL controller horizon (samples)
     entropy_coef: float = 0.0
     loss_agg_mode: LossAggMode = "token-mean"  # how token losses are averaged into the batch loss
+    dr_grpo_norm: int | None = None  # constant of seq-mean-token-sum-norm; None = longest response of the step
     gamma: float = 1.0  # discount (ppo / reinforce_pp)
-    lam: float = 1.0  # GAE lambda (ppo)
+    lam: float = 1.0  # GAE lambda of the actor's advantages (ppo)
+    lam_critic: float | None = None  # VAPO decoupled GAE: lambda of the critic's targets; None = lam
+    lam_alpha: float | None = None  # VAPO length-adaptive lambda = 1 - 1/(alpha * length); None = fixed lam
     norm_adv_by_std: bool = True  # divide group advantages by their std (GRPO); False = Dr. GRPO
+    adv_eps: float = 1e-6  # added to the group std
+    reinforce_baseline: bool = False  # reinforce_pp: subtract the group mean first (REINFORCE++-baseline)
+    value_clip: float | None = 0.2  # ppo critic: clip of the value change; None = off
     ppo_epochs: int = 1  # passes over each rollout batch
     mini_batches_per_step: int = 1  # optimizer steps per pass; 1 = strictly on-policy
-    tis_cap: float | None = None  # truncated importance sampling cap for rollout/train mismatch; None = off
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
 
 
 @dataclass
@@ -305,7 +344,30 @@ def _check_algorithm(a: AlgorithmConfig) -> None:
     _need(0 <= a.gamma <= 1, "algorithm.gamma", a.gamma, "must be in [0, 1]")
     _need(0 <= a.lam <= 1, "algorithm.lam", a.lam, "must be in [0, 1]")
     _positive(a, "algorithm", "ppo_epochs", "mini_batches_per_step")
-    _need(a.tis_cap is None or a.tis_cap > 0, "algorithm.tis_cap", a.tis_cap, "must be > 0 (or null)")
+    _need(a.log_ratio_clip is None or a.log_ratio_clip > 0, "algorithm.log_ratio_clip", a.log_ratio_clip, "must be > 0")
+    _need(a.kl_target is None or a.kl_target > 0, "algorithm.kl_target", a.kl_target, "must be > 0 (or null)")
+    _need(a.kl_horizon > 0, "algorithm.kl_horizon", a.kl_horizon, "must be > 0")
+    _need(a.dr_grpo_norm is None or a.dr_grpo_norm > 0, "algorithm.dr_grpo_norm", a.dr_grpo_norm, "must be > 0")
+    _need(a.lam_critic is None or 0 <= a.lam_critic <= 1, "algorithm.lam_critic", a.lam_critic, "must be in [0, 1]")
+    _need(a.lam_alpha is None or a.lam_alpha > 0, "algorithm.lam_alpha", a.lam_alpha, "must be > 0 (or null)")
+    _need(a.adv_eps >= 0, "algorithm.adv_eps", a.adv_eps, "must be >= 0")
+    _need(a.value_clip is None or a.value_clip > 0, "algorithm.value_clip", a.value_clip, "must be > 0 (or null)")
+    m = a.mismatch
+    _need(m.cap > 0, "algorithm.mismatch.cap", m.cap, "must be > 0")
+    _need(
+        m.lower is None or (m.mode == "mis" and 0 < m.lower < m.cap),
+        "algorithm.mismatch.lower",
+        m.lower,
+        "only applies to mode 'mis' and must be in (0, cap)",
+    )
+    _need(
+        a.dynamic_sampling.max_rounds >= 1,
+        "algorithm.dynamic_sampling.max_rounds",
+        a.dynamic_sampling.max_rounds,
+        "must be >= 1",
+    )
+    o = a.overlong
+    _need(o.buffer_length > 0, "algorithm.overlong.buffer_length", o.buffer_length, "must be > 0")
 
 
 # Algorithms whose advantage compares the samples of one prompt with each other.
@@ -314,6 +376,13 @@ GROUP_ALGORITHMS = ("grpo", "dapo", "gspo", "rloo")
 
 def _check_cross_section(cfg: RunConfig) -> None:
     a = cfg.algorithm
+    if a.overlong.enabled:
+        _need(
+            a.overlong.buffer_length <= cfg.rollout.sampling.max_new_tokens,
+            "algorithm.overlong.buffer_length",
+            a.overlong.buffer_length,
+            f"must be <= rollout.sampling.max_new_tokens ({cfg.rollout.sampling.max_new_tokens})",
+        )
     if a.name == "ppo":
         _need(cfg.critic.enabled, "critic.enabled", False, "algorithm 'ppo' needs a critic (GAE)")
     if a.name in GROUP_ALGORITHMS:
