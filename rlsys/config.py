@@ -323,6 +323,12 @@ def _check_role(role: RoleConfig, name: str) -> None:
     _need(o.adam_eps > 0, f"{p}.adam_eps", o.adam_eps, "must be > 0")
     _need(o.clip_grad >= 0, f"{p}.clip_grad", o.clip_grad, "must be >= 0 (0 disables clipping)")
     _need(o.lr_warmup_steps >= 0, f"{p}.lr_warmup_steps", o.lr_warmup_steps, "must be >= 0")
+    _need(
+        o.name == "adam" or not o.use_distributed_optimizer,
+        f"{p}.use_distributed_optimizer",
+        True,
+        f"megatron's distributed optimizer only supports adam; set {p}.use_distributed_optimizer=false for sgd",
+    )
 
 
 def _check_rollout(r: RolloutConfig) -> None:
@@ -376,6 +382,13 @@ GROUP_ALGORITHMS = ("grpo", "dapo", "gspo", "rloo")
 
 def _check_cross_section(cfg: RunConfig) -> None:
     a = cfg.algorithm
+    for role in ("actor", "critic", "ref"):
+        _need(
+            not (cfg.cluster.device == "cpu" and getattr(cfg, role).parallel.sequence_parallel),
+            f"{role}.parallel.sequence_parallel",
+            True,
+            "needs transformer-engine's norms (GPU); megatron's torch norms do not support it, set it to false on cpu",
+        )
     if a.overlong.enabled:
         _need(
             a.overlong.buffer_length <= cfg.rollout.sampling.max_new_tokens,

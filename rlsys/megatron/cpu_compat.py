@@ -5,7 +5,7 @@ megatron-core assumes CUDA in a handful of places (see
 across the library, this module redirects the CUDA entry points megatron
 touches to their CPU equivalents, for the whole process:
 
-1. ``torch.cuda.current_device()`` returns 0, and a ``TorchFunctionMode``
+1. ``torch.cuda.current_device()`` returns ``"cpu"``, and a ``TorchFunctionMode``
    rewrites every CUDA device argument (``"cuda"``, ``"cuda:N"``, ``N``,
    ``torch.device("cuda")``) of factory functions and ``Tensor.to`` to CPU,
    and makes ``Tensor.cuda()`` a no-op. This covers the ~100 ``device=``
@@ -97,7 +97,10 @@ def enable() -> None:
             (mp_random, "_get_cuda_rng_state"): mp_random._get_cuda_rng_state,
             (mp_random, "_set_cuda_rng_state"): mp_random._set_cuda_rng_state,
         }
-        torch.cuda.current_device = lambda: 0
+        # "cpu", not an ordinal: autograd backward functions run outside the TorchFunctionMode
+        # (a mode is popped while its handler runs ``backward``), so a device they allocate on
+        # must already be valid without the redirect.
+        torch.cuda.current_device = lambda: "cpu"
         torch.cuda.synchronize = lambda *a, **k: None
         # The tracker seeds "the device generator" and reads it back: on CPU that is torch's generator.
         torch.cuda.manual_seed = torch.manual_seed

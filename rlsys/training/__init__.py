@@ -1,0 +1,1 @@
+"""Training-side building blocks of the Megatron workers (batching, packing)."""

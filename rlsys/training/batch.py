@@ -1,0 +1,92 @@
+"""The trainer's view of a rollout batch: token sequences plus per-response-token fields.
+
+A sample is ``prompt + response`` token ids. Every per-token field (advantages, old and
+reference log-probs, engine log-probs, returns, a loss mask for multi-turn tool output...)
+holds one value per *response* token, so the rollout side never has to know how the trainer
+lays sequences out (padded rows or packed rows, micro-batches, data-parallel shards).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class TrainBatch:
+    sequences: list[torch.Tensor]  # 1-D int64 token ids, prompt followed by response
+    prompt_lengths: list[int]
+    fields: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # name -> per-sample [response_len]
+
+    def __post_init__(self) -> None:
+        if len(self.sequences) != len(self.prompt_lengths):
+            raise ValueError(f"{len(self.sequences)} sequences but {len(self.prompt_lengths)} prompt lengths")
+        for i, (seq, p) in enumerate(zip(self.sequences, self.prompt_lengths)):
+            if seq.dim() != 1 or not 1 <= p < seq.shape[0]:
+                raise ValueError(
+                    f"sample {i}: need a 1-D sequence with a prompt of at least 1 token and a response of at "
+                    f"least 1 token, got shape {tuple(seq.shape)} with prompt length {p}"
+                )
+        for name, values in self.fields.items():
+            self._check_field(name, values)
+
+    def _check_field(self, name: str, values: Sequence[torch.Tensor]) -> None:
+        if len(values) != len(self):
+            raise ValueError(f"field {name!r} has {len(values)} entries for {len(self)} samples")
+        for i, (v, n) in enumerate(zip(values, self.response_lengths)):
+            if tuple(v.shape) != (n,):
+                raise ValueError(f"field {name!r} of sample {i} has shape {tuple(v.shape)}, expected ({n},)")
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(s.shape[0]) for s in self.sequences]
+
+    @property
+    def response_lengths(self) -> list[int]:
+        return [int(s.shape[0]) - p for s, p in zip(self.sequences, self.prompt_lengths)]
+
+    def set(self, name: str, values: Sequence[torch.Tensor]) -> None:
+        values = list(values)
+        self._check_field(name, values)
+        self.fields[name] = values
+
+    def loss_mask(self, i: int) -> torch.Tensor:
+        """Which response tokens of sample ``i`` are trained on (all unless a ``loss_mask`` field says otherwise)."""
+        if "loss_mask" in self.fields:
+            return self.fields["loss_mask"][i].float()
+        return torch.ones(self.response_lengths[i])
+
+    def select(self, indices: Sequence[int]) -> TrainBatch:
+        return TrainBatch(
+            [self.sequences[i] for i in indices],
+            [self.prompt_lengths[i] for i in indices],
+            {k: [v[i] for i in indices] for k, v in self.fields.items()},
+        )
+
+    def padded(self, name: str, indices: Sequence[int] | None = None, fill: float = 0.0) -> torch.Tensor:
+        """Field ``name`` for ``indices`` as a right-padded ``[n, max_response_len]`` float tensor."""
+        idx = range(len(self)) if indices is None else indices
+        rows = [self.fields[name][i] if name != "loss_mask" else self.loss_mask(i) for i in idx]
+        return pad_rows(rows, fill)
+
+    def response_mask(self, indices: Sequence[int] | None = None) -> torch.Tensor:
+        """``[n, max_response_len]`` 0/1 mask of the trained response tokens."""
+        idx = range(len(self)) if indices is None else indices
+        return pad_rows([self.loss_mask(i) for i in idx], 0.0)
+
+
+def pad_rows(rows: Sequence[torch.Tensor], fill: float = 0.0) -> torch.Tensor:
+    width = max((int(r.shape[0]) for r in rows), default=0)
+    out = torch.full((len(rows), width), fill, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r.float()
+    return out
+
+
+def unpad_rows(matrix: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+    return [matrix[i, :n].clone() for i, n in enumerate(lengths)]
