@@ -23,7 +23,7 @@ from rlsys.convert.hf_config import ModelArch
 from rlsys.errors import UserError
 from rlsys.topology import Topology
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # rlsys checkpoints key every layer separately (megatron's direction: stacking same-shaped layers into one
 # [num_layers, ...] tensor is being dropped). Per-layer keys let conversion stream one layer at a time.
 CHECKPOINT_METADATA = {"non_homogeneous_layers": True}
@@ -46,7 +46,7 @@ def have_transformer_engine() -> bool:
 
 def transformer_config(arch: ModelArch, topo: Topology, dtype: str = "fp32", **overrides) -> TransformerConfig:
     """The ``TransformerConfig`` (or ``MLATransformerConfig``) matching ``arch`` on ``topo``."""
-    torch_dtype = _DTYPES[dtype]
+    torch_dtype = TORCH_DTYPES[dtype]
     on_cpu = topo.device.type == "cpu"
     kwargs = dict(
         num_layers=arch.num_layers,

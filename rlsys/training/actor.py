@@ -7,16 +7,13 @@ group splits and gathers); per-token results come back on the last pipeline stag
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from rlsys.algorithms.aggregate import valid_counts
 from rlsys.algorithms.kl import entropy_bonus, kl_loss
 from rlsys.algorithms.policy_loss import gspo_policy_loss, ppo_policy_loss
 from rlsys.algorithms.vocab_parallel import logprobs_and_entropy
 from rlsys.config import AlgorithmConfig
 from rlsys.training.batch import TrainBatch, unpad_rows
 from rlsys.training.engine import MegatronEngine
-from rlsys.training.metrics import reduce_metrics
 from rlsys.training.microbatch import ModelInput, response_fields
 
 ACTOR_METRICS = {
@@ -92,38 +89,23 @@ class PolicyWorker:
         """PPO epochs x mini-batches of this rank's share; needs fields ``advantages`` and ``old_logp``
         (plus ``ref_logp`` with a KL loss, ``rollout_weights`` for mismatch correction).
 
-        Returns metrics averaged over the optimizer steps (``actor/grad_norm``, ``actor/lr`` of the last).
+        Returns metrics averaged over the optimizer steps (``actor/lr`` is the last step's).
         """
         a = self.algo
-        steps = []
-        k = a.mini_batches_per_step
-        if len(batch) < k:
-            raise ValueError(
-                f"this data-parallel rank holds {len(batch)} samples, fewer than algorithm.mini_batches_per_step={k}"
-            )
-        bounds = [round(i * len(batch) / k) for i in range(k + 1)]
-        for _ in range(a.ppo_epochs):
-            for lo, hi in zip(bounds[:-1], bounds[1:]):
-                steps.append(self._step(batch.select(range(lo, hi))))
-        out = {name: sum(s[name] for s in steps) / len(steps) for name in steps[0]}
-        out["actor/grad_norm_last"] = steps[-1]["actor/grad_norm"]
-        out["actor/lr"] = steps[-1]["actor/lr"]
-        return out
+        norm = a.dr_grpo_norm if a.loss_agg_mode == "seq-mean-token-sum-norm" else None
+        return self.engine.train(
+            batch,
+            a.mini_batches_per_step,
+            a.ppo_epochs,
+            self._loss_fn,
+            ACTOR_METRICS,
+            prefix="actor",
+            agg=a.loss_agg_mode,
+            norm_const=norm,
+        )
 
-    def _longest_response(self, mini: TrainBatch) -> int:
-        # Dr.GRPO's normalizer must be one constant for the whole step, on every rank
-        longest = torch.tensor([max(mini.response_lengths)], device=self.topo.device)
-        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=self.topo.pg.dp_cp)
-        return int(longest.item())
-
-    def _step(self, mini: TrainBatch) -> dict[str, float]:
-        a, topo, engine = self.algo, self.topo, self.engine
-        tokens, seqs = valid_counts(mini.response_mask())
-        counts = torch.tensor([tokens, seqs], dtype=torch.float64, device=topo.device)
-        dist.all_reduce(counts, group=topo.pg.dp_cp)
-        denominators = {"num_tokens": counts[0].item(), "num_seqs": counts[1].item()}
-        if a.loss_agg_mode == "seq-mean-token-sum-norm":
-            denominators["norm_const"] = a.dr_grpo_norm or self._longest_response(mini)
+    def _loss_fn(self, mini: TrainBatch, denominators: dict):
+        a = self.algo
         use_kl = a.use_kl_loss and a.kl_coef > 0
         names = ["advantages", "old_logp"] + (["ref_logp"] if use_kl else [])
         names += ["rollout_weights"] if "rollout_weights" in mini.fields else []
@@ -162,13 +144,7 @@ class PolicyWorker:
             entry["actor/loss"] = (float(loss), 1.0)
             return loss, entry
 
-        groups, fixed = engine.plan_microbatches(mini, "actor.batch.max_tokens_per_microbatch")
-        engine.zero_grad()
-        entries = engine.run(engine.inputs(mini, groups, fixed), loss_fn=loss_fn)
-        grad_norm, lr = engine.step()
-        metrics = reduce_metrics(entries, ACTOR_METRICS, topo)
-        metrics.update({"actor/grad_norm": grad_norm, "actor/lr": lr})
-        return metrics
+        return loss_fn
 
 
 def build_policy_worker(

@@ -29,20 +29,21 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+from rlsys.algorithms.aggregate import valid_counts
 from rlsys.config import RoleConfig
 from rlsys.convert.hf_config import ModelArch
-from rlsys.megatron.model import build_model, have_transformer_engine
+from rlsys.megatron.model import TORCH_DTYPES, build_model, have_transformer_engine
 from rlsys.topology import Topology
 from rlsys.training.batch import TrainBatch
+from rlsys.training.metrics import reduce_metrics
 from rlsys.training.microbatch import ModelInput, build_input
+from rlsys.training.offload import StateOffloader
 from rlsys.training.packing import balance_partitions, pack_microbatches
 
 # loss_fn(output [b, T, V/tp], model_input) -> (loss scalar, {metric: (value, weight)})
 LossFn = Callable[[torch.Tensor, ModelInput], tuple[torch.Tensor, dict]]
 # collect_fn(output, model_input) -> anything; called on the last pipeline stage in forward-only runs
 CollectFn = Callable[[torch.Tensor, ModelInput], object]
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _recompute_kwargs(recompute: str) -> dict:
@@ -89,6 +90,14 @@ class MegatronEngine:
         self.optimizer = self.scheduler = None
         if trainable:
             self._build_optimizer(total_steps)
+        self.offloader = StateOffloader(self)
+
+    def offload(self, **kwargs) -> dict[str, int]:
+        """Free this rank's device memory (weights, grads, optimizer state) into host copies; see ``offload.py``."""
+        return self.offloader.offload(**kwargs)
+
+    def onload(self, **kwargs) -> dict[str, int]:
+        return self.offloader.onload(**kwargs)
 
     # -- construction -------------------------------------------------------------------------
 
@@ -115,7 +124,7 @@ class MegatronEngine:
             clip_grad=o.clip_grad,
             bf16=self.dtype == "bf16",
             fp16=self.dtype == "fp16",
-            params_dtype=_DTYPES[self.dtype],
+            params_dtype=TORCH_DTYPES[self.dtype],
             use_distributed_optimizer=o.use_distributed_optimizer,
         )
         # On CPU the model-parallel groups are gloo already; megatron's extra gloo groups are for NCCL runs.
@@ -163,7 +172,10 @@ class MegatronEngine:
                     f"pp={self.topo.pp} for the interleaved schedule) but this rank holds {len(batch)} samples; "
                     "use more samples per step or fewer micro-batches"
                 )
-            groups = [sorted(g) for g in balance_partitions(lengths, want)]
+            if b.use_packing:
+                groups = pack_microbatches(lengths, budget, min_microbatches=want, config_key=config_key)
+            else:
+                groups = [sorted(g) for g in balance_partitions(lengths, want)]
         fixed = None
         if not self.config.variable_seq_lengths or self.topo.vpp:
             # One row shape on every rank: megatron's allgather MoE dispatcher (CPU) gathers
@@ -251,6 +263,61 @@ class MegatronEngine:
                 **extra,
             )
         return results if self.topo.is_last_stage else []
+
+    def train(
+        self,
+        batch: TrainBatch,
+        mini_batches: int,
+        epochs: int,
+        make_loss: Callable[[TrainBatch, dict], LossFn],
+        spec: dict[str, str],
+        prefix: str,
+        agg: str = "token-mean",
+        norm_const: float | None = None,
+    ) -> dict[str, float]:
+        """``epochs`` passes over this rank's share, one optimizer step per mini-batch.
+
+        ``make_loss(mini, denominators)`` returns the micro-batch loss function; ``denominators``
+        holds the mini-batch's global token and sequence counts (and the Dr.GRPO constant).
+        Returns the metrics averaged over steps, with ``{prefix}/grad_norm`` and ``{prefix}/lr``.
+        """
+        if len(batch) < mini_batches:
+            raise ValueError(
+                f"this data-parallel rank holds {len(batch)} samples, fewer than "
+                f"algorithm.mini_batches_per_step={mini_batches}"
+            )
+        bounds = [round(i * len(batch) / mini_batches) for i in range(mini_batches + 1)]
+        steps = []
+        for _ in range(epochs):
+            for lo, hi in zip(bounds[:-1], bounds[1:]):
+                mini = batch.select(range(lo, hi))
+                denominators = self._denominators(mini, agg, norm_const)
+                groups, fixed = self.plan_microbatches(mini, f"{prefix}.batch.max_tokens_per_microbatch")
+                self.zero_grad()
+                entries = self.run(self.inputs(mini, groups, fixed), loss_fn=make_loss(mini, denominators))
+                grad_norm, lr = self.step()
+                metrics = reduce_metrics(entries, spec, self.topo)
+                metrics.update({f"{prefix}/grad_norm": grad_norm, f"{prefix}/lr": lr})
+                steps.append(metrics)
+        out = {name: sum(s[name] for s in steps) / len(steps) for name in steps[0]}
+        out[f"{prefix}/lr"] = steps[-1][f"{prefix}/lr"]
+        return out
+
+    def _denominators(self, mini: TrainBatch, agg: str, norm_const: float | None) -> dict:
+        """Global counts over the DP (x CP) group, so shard losses add up to the mini-batch loss."""
+        tokens, seqs = valid_counts(mini.response_mask())
+        longest = max(mini.response_lengths)
+        counts = torch.tensor([tokens, seqs], dtype=torch.float64, device=self.topo.device)
+        dist.all_reduce(counts, group=self.topo.pg.dp_cp)
+        out = {"num_tokens": counts[0].item(), "num_seqs": counts[1].item()}
+        if agg == "seq-mean-token-sum-norm":
+            if norm_const is None:
+                # Dr.GRPO's normalizer must be one constant for the whole step, on every rank
+                peak = torch.tensor([longest], dtype=torch.float64, device=self.topo.device)
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.topo.pg.dp_cp)
+                norm_const = peak.item()
+            out["norm_const"] = norm_const
+        return out
 
     def zero_grad(self) -> None:
         for m in self.model:
