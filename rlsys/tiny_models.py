@@ -142,3 +142,22 @@ def make_tiny_hf_checkpoint(
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True, max_shard_size=max_shard_size)
     return out_dir
+
+
+def random_train_batch(vocab: int, n: int = 8, seed: int = 0, min_len: int = 8, max_len: int = 24):
+    """A seeded ``TrainBatch`` of random sequences with advantages, reference log-probs and a
+    loss mask with holes (as multi-turn tool output leaves), for trainer tests and benchmarks."""
+    from rlsys.training.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    seqs, prompts = [], []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len, (1,), generator=g))
+        seqs.append(torch.randint(0, vocab, (length,), generator=g))
+        prompts.append(int(torch.randint(2, min(6, length - 1), (1,), generator=g)))
+    batch = TrainBatch(seqs, prompts)
+    r = batch.response_lengths
+    batch.set("advantages", [torch.randn(k, generator=g) for k in r])
+    batch.set("ref_logp", [-torch.rand(k, generator=g) * 8 for k in r])
+    batch.set("loss_mask", [(torch.arange(k) % 5 != 2).float() for k in r])
+    return batch

@@ -6,27 +6,10 @@ import pytest
 import torch
 
 from rlsys.local_ranks import run_on_ranks
-from rlsys.training.batch import TrainBatch
+from rlsys.tiny_models import random_train_batch
 
 pytestmark = pytest.mark.dist
 REL = 1e-5
-
-
-def make_batch(vocab: int, n: int = 8, seed: int = 0) -> TrainBatch:
-    g = torch.Generator().manual_seed(seed)
-    seqs, prompts = [], []
-    for _ in range(n):
-        length = int(torch.randint(8, 24, (1,), generator=g))
-        prompt = int(torch.randint(2, 6, (1,), generator=g))
-        seqs.append(torch.randint(0, vocab, (length,), generator=g))
-        prompts.append(prompt)
-    batch = TrainBatch(seqs, prompts)
-    r = batch.response_lengths
-    batch.set("advantages", [torch.randn(k, generator=g) for k in r])
-    batch.set("ref_logp", [-torch.rand(k, generator=g) * 8 for k in r])
-    # a multi-turn style hole: the middle of every response is not trained on
-    batch.set("loss_mask", [(torch.arange(k) % 5 != 2).float() for k in r])
-    return batch
 
 
 def _rank(hf_dir, layout, opts, out_dir):
@@ -46,7 +29,7 @@ def _rank(hf_dir, layout, opts, out_dir):
     role.optimizer.use_distributed_optimizer = opts.get("dist_opt", role.optimizer.name == "adam")
     algo = AlgorithmConfig(name="grpo", kl_coef=0.05, entropy_coef=0.01, loss_agg_mode=opts.get("agg", "token-mean"))
     worker = build_policy_worker(hf_dir, topo, role, algo)
-    full = make_batch(worker.vocab_size)
+    full = random_train_batch(worker.vocab_size)
     shard = dp_shards(full.lengths, topo.dp)[topo.dp_rank]
     mine = full.select(shard)
     old = worker.compute_logprobs(mine, with_entropy=True)
