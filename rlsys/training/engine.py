@@ -308,13 +308,14 @@ class MegatronEngine:
         tokens, seqs = valid_counts(mini.response_mask())
         longest = max(mini.response_lengths)
         counts = torch.tensor([tokens, seqs], dtype=torch.float64, device=self.topo.device)
-        dist.all_reduce(counts, group=self.topo.pg.dp_cp)
+        # over DP only: the ranks of a CP group hold the same samples
+        dist.all_reduce(counts, group=self.topo.pg.dp)
         out = {"num_tokens": counts[0].item(), "num_seqs": counts[1].item()}
         if agg == "seq-mean-token-sum-norm":
             if norm_const is None:
                 # Dr.GRPO's normalizer must be one constant for the whole step, on every rank
                 peak = torch.tensor([longest], dtype=torch.float64, device=self.topo.device)
-                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.topo.pg.dp_cp)
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.topo.pg.dp)
                 norm_const = peak.item()
             out["norm_const"] = norm_const
         return out

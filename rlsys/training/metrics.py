@@ -34,8 +34,9 @@ def reduce_metrics(entries: list[dict[str, tuple[float, float]]], spec: dict[str
                     sums[i, 1] += float(den)
     sums, maxes = sums.to(topo.device), maxes.to(topo.device)
     if topo.is_last_stage:
-        dist.all_reduce(sums, group=topo.pg.dp_cp)
-        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=topo.pg.dp_cp)
+        # over DP only: CP ranks share their samples and report the same (CP-reduced) values
+        dist.all_reduce(sums, group=topo.pg.dp)
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=topo.pg.dp)
     if topo.pp > 1:
         last = dist.get_global_rank(topo.pg.pp, topo.pp - 1)
         dist.broadcast(sums, src=last, group=topo.pg.pp)

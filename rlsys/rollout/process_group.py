@@ -1,0 +1,39 @@
+"""A process group between processes that do not share a default group: trainer senders and engine ranks.
+
+The trainer ranks already have their own world (the training job) and each engine has its own
+(its TP ranks), so the weight-update group cannot be built with ``init_process_group``. This is
+what SGLang's ``init_custom_process_group`` does on the engine side (rendezvous over TCP, a
+``PrefixStore`` per group name, ``_new_process_group_helper``); rlsys uses the same construction
+on both ends so the two sides meet in one group.
+
+Group ranks map to themselves in torch's rank table, so ``broadcast(t, src=0, group=g)`` means
+group rank 0: SGLang hard-codes ``src=0`` for the sender.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+
+def init_custom_process_group(
+    backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout_s: float = 300.0
+) -> dist.ProcessGroup:
+    """Join group ``group_name`` of ``world_size`` members at ``init_method`` (``tcp://host:port``) as ``rank``."""
+    if not group_name:
+        raise ValueError("group_name must be non-empty: it namespaces the rendezvous store")
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = dist.PrefixStore(group_name, store)
+    pg, _ = c10d._new_process_group_helper(
+        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout
+    )
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_custom_process_group(pg: dist.ProcessGroup) -> None:
+    dist.destroy_process_group(pg)
