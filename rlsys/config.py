@@ -114,6 +114,18 @@ class SamplingConfig:
 
 
 @dataclass
+class SyncConfig:
+    """How new actor weights reach the rollout engines after each update (rlsys.sync)."""
+
+    bucket_mb: float = 512  # tensors per broadcast (and per engine receive buffer), in MiB
+    load_format: Literal["flattened_bucket", "per_tensor"] = "flattened_bucket"  # one uint8 broadcast per bucket
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on cuda, gloo on cpu
+    master_address: str | None = None  # address engines reach trainer rank 0 at; None = this host's
+    timeout_s: float = 300.0  # bound on every HTTP call and collective of a sync
+    verify: bool = False  # after each sync compare per-tensor checksums of every engine with the trainer's
+
+
+@dataclass
 class RolloutConfig:
     engine: Literal["sglang", "cpu"] = "sglang"  # "cpu" is a slow HF-based engine for tests
     tp: int = 1  # tensor parallel size of each engine
@@ -121,6 +133,7 @@ class RolloutConfig:
     mem_fraction: float = 0.5  # share of device memory an engine may claim (static weights + KV cache)
     urls: list[str] = field(default_factory=list)  # attach to running servers instead of launching engines
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
 
 @dataclass
@@ -339,6 +352,8 @@ def _check_rollout(r: RolloutConfig) -> None:
     _need(s.temperature >= 0, "rollout.sampling.temperature", s.temperature, "must be >= 0")
     _need(0 < s.top_p <= 1, "rollout.sampling.top_p", s.top_p, "must be in (0, 1]")
     _need(s.top_k == -1 or s.top_k >= 1, "rollout.sampling.top_k", s.top_k, "must be -1 (off) or >= 1")
+    _need(r.sync.bucket_mb > 0, "rollout.sync.bucket_mb", r.sync.bucket_mb, "must be > 0")
+    _need(r.sync.timeout_s > 0, "rollout.sync.timeout_s", r.sync.timeout_s, "must be > 0")
 
 
 def _check_algorithm(a: AlgorithmConfig) -> None:

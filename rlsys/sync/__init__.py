@@ -1,0 +1,1 @@
+"""Weight resharding: trainer shards -> HF-named full tensors -> buckets -> rollout engines."""
