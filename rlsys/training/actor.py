@@ -46,7 +46,9 @@ class PolicyWorker:
         """Per-response-token log-probs (and entropy) ``[n, max_response_len]`` from vocab-parallel logits."""
         logits = self._mask_vocab_padding(logits)
         logp, ent = logprobs_and_entropy(logits, inp.targets, self.topo.pg.tp, self.temperature, with_entropy)
-        return inp.responses(logp), (inp.responses(ent) if ent is not None else None)
+        # under CP each rank scores its slice; gather the log-probs (never the logits) to the whole row
+        logp = inp.responses(inp.full_row(logp))
+        return logp, (inp.responses(inp.full_row(ent)) if ent is not None else None)
 
     def _mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
         # Megatron pads the vocab to a TP-friendly size; the padding rows must get no probability.

@@ -60,7 +60,7 @@ class CriticWorker:
         groups, fixed = self.engine.plan_microbatches(batch, "critic.batch.max_tokens_per_microbatch")
 
         def collect(output, inp: ModelInput):
-            return inp.indices, inp.responses(output[..., 0].float()).cpu()
+            return inp.indices, inp.responses(inp.full_row(output[..., 0].float())).cpu()
 
         results = self.engine.run(self.engine.inputs(batch, groups, fixed), collect_fn=collect)
         if not self.topo.is_last_stage:
@@ -80,7 +80,7 @@ class CriticWorker:
     def _loss_fn(self, mini: TrainBatch, denominators: dict):
         def loss_fn(output, inp: ModelInput):
             f = response_fields(mini, inp, ["values", "returns"], output.device)
-            values = inp.responses(output[..., 0])
+            values = inp.responses(inp.full_row(output[..., 0]))
             loss, m = value_loss(values, f["values"], f["returns"], f["mask"], self.algo.value_clip, **denominators)
             n = float(f["mask"].sum())
             entry = {"critic/vf_loss": (float(loss), 1.0), "critic/tokens": (n, 1.0)}

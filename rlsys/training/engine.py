@@ -200,6 +200,7 @@ class MegatronEngine:
                 pad_to_multiple=self._pad_multiple(),
                 pad_to_length=fixed,
                 use_thd=self.use_thd and self.cfg.batch.use_packing,
+                cp=(self.topo.cp, self.topo.cp_rank, self.topo.pg.cp) if self.topo.cp > 1 else None,
             )
             for g in groups
         ]
@@ -256,7 +257,8 @@ class MegatronEngine:
                 data_iterator=data,
                 model=self.model,
                 num_microbatches=n,
-                seq_length=max(int(i.tokens.shape[1]) for i in inputs),
+                # the full row: the schedule divides by CP itself for pipeline buffer shapes
+                seq_length=max(int(i.tokens.shape[1]) for i in inputs) * self.topo.cp,
                 micro_batch_size=max(int(i.tokens.shape[0]) for i in inputs),
                 forward_only=forward_only,
                 pg_collection=self.topo.pg,

@@ -17,6 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from rlsys.training.batch import TrainBatch, pad_rows
+from rlsys.training.context_parallel import (
+    cp_gather,
+    cp_packed_seq_params,
+    cp_partition_indices,
+    cp_split,
+    pack_for_cp,
+)
 from rlsys.training.packing import pack, packed_seq_params, pad_batch
 
 
@@ -29,6 +36,14 @@ class ModelInput:
     targets: torch.Tensor  # [b, T] next token of the same sample (0 where there is none)
     spans: list[tuple[int, int, int]]  # per sample: (row, first logit position, response length)
     indices: list[int]  # the samples of the batch, in span order
+    cp_group: object | None = None  # context parallelism: this rank holds a slice of the row
+    cu_seqlens_padded: torch.Tensor | None = None
+
+    def full_row(self, per_position: torch.Tensor) -> torch.Tensor:
+        """Per-position values of this rank's CP slice -> the whole row (autograd-aware); identity without CP."""
+        if self.cp_group is None:
+            return per_position
+        return cp_gather(per_position, self.cp_group, self.cu_seqlens_padded)
 
     def responses(self, per_position: torch.Tensor) -> torch.Tensor:
         """``[b, T]`` per-position values -> ``[n, max_response_len]`` per response token (0-padded)."""
@@ -47,15 +62,19 @@ def build_input(
     pad_to_multiple: int = 1,
     pad_to_length: int | None = None,
     use_thd: bool = False,
+    cp: tuple[int, int, object] | None = None,
 ) -> ModelInput:
     """Model input for the samples ``indices`` of ``batch``.
 
     ``pad_to_multiple``: sequence parallelism needs ``T % tp == 0``. ``pad_to_length`` fixes
     ``T`` (MoE with megatron's allgather dispatcher needs equal micro-batch shapes on all ranks).
     ``use_thd`` passes ``PackedSeqParams`` instead of a ``T x T`` mask (transformer-engine).
+    ``cp = (size, rank, group)`` gives this rank its load-balanced slice of a packed THD row.
     """
     seqs = [batch.sequences[i].long() for i in indices]
     prompts = [batch.prompt_lengths[i] for i in indices]
+    if cp is not None and cp[0] > 1:
+        return _context_parallel_input(seqs, prompts, list(indices), device, pad_to_multiple, packed, use_thd, cp)
     if packed:
         total = sum(int(s.shape[0]) for s in seqs)
         if pad_to_length is not None and pad_to_length < total:
@@ -88,6 +107,31 @@ def build_input(
         mask = torch.triu(torch.ones(1, 1, t, t, dtype=torch.bool), diagonal=1).to(device)
         psp = None
     return ModelInput(tokens.to(device), position_ids.to(device), mask, psp, targets.to(device), spans, list(indices))
+
+
+def _context_parallel_input(seqs, prompts, indices, device, pad_to_multiple, packed, use_thd, cp) -> ModelInput:
+    size, rank, group = cp
+    if not (packed and use_thd):
+        raise ValueError(
+            "context parallelism needs packed sequences (actor.batch.use_packing=true) and transformer-engine "
+            "attention (GPU): the local attention cannot split a sequence over ranks"
+        )
+    row = pack_for_cp(seqs, size, pad_to_multiple=pad_to_multiple)
+    keep = cp_partition_indices(row.cu_seqlens_padded, size, rank)
+    # targets are split from the full row: a shift inside the local slice would cross chunk edges
+    tokens, position_ids, targets = (cp_split(t, keep) for t in (row.tokens, row.position_ids, row.targets))
+    spans = [(0, row.starts[i] + p - 1, int(s.shape[0]) - p) for i, (s, p) in enumerate(zip(seqs, prompts))]
+    return ModelInput(
+        tokens.to(device),
+        position_ids.to(device),
+        None,
+        cp_packed_seq_params(row, device),
+        targets.to(device),
+        spans,
+        indices,
+        cp_group=group,
+        cu_seqlens_padded=row.cu_seqlens_padded.to(device),
+    )
 
 
 def response_fields(batch: TrainBatch, inp: ModelInput, names: Sequence[str], device) -> dict[str, torch.Tensor]:
