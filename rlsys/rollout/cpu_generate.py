@@ -1,0 +1,364 @@
+"""Generation for the CPU engine: SGLang's ``/generate`` request and response, on a transformers model.
+
+Request (SGLang's ``GenerateReqInput``): ``text`` or ``input_ids`` (one prompt, or a list), ``sampling_params``
+(one dict or one per prompt), ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``,
+``return_text_in_logprobs``, ``rid``. ``n`` > 1 repeats each prompt, prompt-major (p0s0, p0s1, ..., p1s0),
+and makes the answer a list, as SGLang's ``_handle_batch_request`` does.
+
+Sampling follows SGLang's ``SamplingParams`` and ``Sampler``: temperature 0 means temperature 1 with
+top_k 1 (greedy); otherwise ``softmax(logits / T)`` filtered by top-k, top-p (a token is kept while the
+mass before it is at most top_p) and min-p, then one multinomial draw. The returned log-prob of a token is
+``log_softmax(logits / T)`` at that token, before the filters: SGLang's default (without
+``SGLANG_RETURN_ORIGINAL_LOGPROB``), so greedy tokens carry ``log_softmax(logits)``.
+
+Finish: ``max_new_tokens`` first (``{"type": "length", "length": N}``), then, unless ``ignore_eos``, a token
+in ``stop_token_ids`` or the model's EOS ids (``{"type": "stop", "matched": id}``, the token stays in
+``output_ids``), then stop strings (``{"type": "stop", "matched": str}``, text cut before it unless
+``no_stop_trim``). ``min_new_tokens`` masks the stop tokens' logits until reached.
+
+Randomness: sample j of a request with ``sampling_params.sampling_seed`` s draws from a generator seeded
+s + j, so a request repeats exactly; without it, seeds come from the server's ``--seed`` stream.
+
+Samples run one sequence at a time with a KV cache. ``Gate`` (SGLang's ``model_update_lock`` and pause
+state, for threads) decides between tokens whether a sample continues, is aborted, or parks while paused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+# SGLang sampling keys the CPU engine has no use for; accepted and ignored.
+IGNORED_KEYS = {"spaces_between_special_tokens", "stream_interval", "custom_params"}
+# SGLang sampling keys it does not implement; refused unless left at their default.
+UNSUPPORTED_DEFAULTS = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "regex": None,
+    "json_schema": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "stop_regex": None,
+    "logit_bias": None,
+}
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int | None = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    min_new_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    sampling_seed: int | None = None
+
+    @classmethod
+    def parse(cls, d: dict | None) -> SamplingParams:
+        d = dict(d or {})
+        for key, default in UNSUPPORTED_DEFAULTS.items():
+            if d.pop(key, default) not in (default, None):
+                raise ValueError(f"sampling_params.{key} is not supported by the CPU engine")
+        for key in IGNORED_KEYS:
+            d.pop(key, None)
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown sampling_params: {unknown}")
+        p = cls(**d)
+        p.stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
+        p.stop_token_ids = [int(t) for t in p.stop_token_ids or []]
+        if p.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {p.temperature}.")
+        if not 0.0 < p.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {p.top_p}.")
+        if not 0.0 <= p.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {p.min_p}.")
+        if p.top_k < 1 and p.top_k != -1:
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {p.top_k}.")
+        if p.max_new_tokens is not None and p.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be at least 0, got {p.max_new_tokens}.")
+        if p.n < 1:
+            raise ValueError(f"n must be at least 1, got {p.n}.")
+        if p.temperature == 0:  # SGLang: greedy is temperature 1 with top_k 1
+            p.temperature, p.top_k = 1.0, 1
+        return p
+
+
+@dataclass
+class Sample:
+    """One sequence to generate: a prompt with its own parameters, seed and logprob options."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    aborted: bool = False  # set by /abort_request or /pause_generation(mode="abort")
+
+
+def parse_request(body: dict, tokenizer, next_seed) -> tuple[list[Sample], bool, bool]:
+    """``GenerateReqInput`` JSON → ``(samples, is_single, text_in_logprobs)``. ``next_seed()`` draws a seed."""
+    if body.get("stream"):
+        raise ValueError("stream=True is not supported by the CPU engine")
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise ValueError("exactly one of 'text' and 'input_ids' is required")
+    if text is not None:
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer: send 'input_ids'")
+        is_single = isinstance(text, str)
+        prompts = [tokenizer.encode(t) for t in ([text] if is_single else text)]
+    else:
+        is_single = len(ids) == 0 or not isinstance(ids[0], list)
+        prompts = [list(ids)] if is_single else [list(p) for p in ids]
+
+    def per_prompt(key, default):
+        value = body.get(key)
+        value = default if value is None else value
+        return list(value) if isinstance(value, list) else [value] * len(prompts)
+
+    params = [SamplingParams.parse(p) for p in per_prompt("sampling_params", {})]
+    want_lp, start, top = (
+        per_prompt(k, d) for k, d in [("return_logprob", False), ("logprob_start_len", -1), ("top_logprobs_num", 0)]
+    )
+    rids = per_prompt("rid", None)
+    if isinstance(body.get("rid"), str) and len(prompts) > 1:
+        rids = [f"{body['rid']}_{i}" for i in range(len(prompts))]  # SGLang: a string rid prefixes a batch
+    samples = []
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError("a prompt has no tokens")
+        p = params[i]
+        for j in range(p.n):
+            seed = p.sampling_seed + j if p.sampling_seed is not None else next_seed()
+            rid = rids[i] if rids[i] and p.n == 1 else uuid.uuid4().hex  # SGLang gives each of n samples a new rid
+            samples.append(Sample(rid, prompt, p, seed, bool(want_lp[i]), int(start[i]), int(top[i] or 0)))
+    is_single = is_single and params[0].n == 1
+    return samples, is_single, bool(body.get("return_text_in_logprobs"))
+
+
+def sample_token(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> tuple[int, torch.Tensor]:
+    """One token from a row of logits; returns ``(token, log_softmax(logits / T))``."""
+    logprobs = torch.log_softmax(logits / p.temperature, dim=-1)
+    if p.top_k == 1:
+        return int(torch.argmax(logprobs)), logprobs
+    probs = logprobs.exp()
+    if 1 < p.top_k < probs.numel():
+        probs[probs < torch.topk(probs, p.top_k).values[-1]] = 0.0
+    if p.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        drop = (torch.cumsum(sorted_p, 0) - sorted_p) > p.top_p
+        probs[order[drop]] = 0.0
+    if p.min_p > 0.0:
+        probs[probs < p.min_p * probs.max()] = 0.0
+    return int(torch.multinomial(probs, 1, generator=gen)), logprobs
+
+
+class Generator:
+    """Runs samples on a causal LM with a KV cache, one sequence at a time."""
+
+    def __init__(self, model, tokenizer, context_len: int):
+        self.model, self.tokenizer, self.context_len = model, tokenizer, context_len
+        self.vocab_size = model.config.get_text_config().vocab_size
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def _forward(self, ids: list[int], cache, all_logits: bool):
+        keep = 0 if all_logits else 1
+        if self.cache_kwarg == "cache":  # transformers >= 5.2x renamed past_key_values
+            out = self.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=keep)
+            return out.logits[0].float(), out.cache
+        out = self.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=keep)
+        return out.logits[0].float(), out.past_key_values
+
+    def check(self, s: Sample) -> None:
+        if len(s.prompt_ids) >= self.context_len:
+            raise ValueError(f"the prompt has {len(s.prompt_ids)} tokens; the model's context is {self.context_len}")
+        if not all(0 <= t < self.vocab_size for t in s.prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+
+    def run(self, s: Sample, between_tokens) -> dict:
+        """Generate one sample. ``between_tokens(s)`` returns "continue", "recompute" (retract: the KV cache
+        is rebuilt with the current weights) or "abort"."""
+        tic, p, prompt = time.time(), s.params, s.prompt_ids
+        gen = torch.Generator().manual_seed(s.seed)
+        limit = self.context_len - len(prompt)
+        max_new = limit if p.max_new_tokens is None else min(p.max_new_tokens, limit)
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+        out, lps, tops, input_lps, cache = [], [], [], None, None
+        finish = {"type": "length", "length": max_new} if max_new <= 0 else None
+        with torch.no_grad():
+            while finish is None:
+                action = between_tokens(s)
+                if action == "abort":
+                    finish = {"type": "abort", "message": "Request aborted."}
+                    break
+                if action == "recompute":
+                    cache = None
+                need_input = s.return_logprob and s.logprob_start_len >= 0 and input_lps is None
+                logits, cache = self._forward(prompt + out if cache is None else out[-1:], cache, need_input)
+                if need_input:
+                    input_lps = self._input_logprobs(logits, s)
+                row = logits[-1]
+                if len(out) < p.min_new_tokens and stop_ids:
+                    row[[t for t in stop_ids if t < row.numel()]] = float("-inf")
+                token, logprobs = sample_token(row, p, gen)
+                out.append(token)
+                lps.append(float(logprobs[token]))
+                if s.top_logprobs_num > 0:
+                    tops.append(_top(logprobs, s.top_logprobs_num))
+                finish = self._finish(out, p, stop_ids, max_new)
+        return self._response(s, out, lps, tops, input_lps, finish, time.time() - tic)
+
+    def _finish(self, out: list[int], p: SamplingParams, stop_ids: set[int], max_new: int) -> dict | None:
+        if len(out) >= max_new:
+            return {"type": "length", "length": max_new}
+        if not p.ignore_eos and out[-1] in stop_ids:
+            return {"type": "stop", "matched": out[-1]}
+        if p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(out, skip_special_tokens=p.skip_special_tokens)
+            for stop in p.stop:
+                if stop in text:
+                    return {"type": "stop", "matched": stop}
+        return None
+
+    def _input_logprobs(self, logits: torch.Tensor, s: Sample) -> list:
+        lp = torch.log_softmax(logits / s.params.temperature, dim=-1)
+        start, ids = s.logprob_start_len, s.prompt_ids
+        vals = [None if i == 0 else float(lp[i - 1, ids[i]]) for i in range(start, len(ids))]
+        k = s.top_logprobs_num
+        tops = [None if i == 0 or k <= 0 else _top(lp[i - 1], k) for i in range(start, len(ids))]
+        return [vals, ids[start:], tops]
+
+    def _response(self, s: Sample, out, lps, tops, input_lps, finish, latency) -> dict:
+        meta = {
+            "id": s.rid,
+            "finish_reason": finish,
+            "prompt_tokens": len(s.prompt_ids),
+            "completion_tokens": len(out),
+            "cached_tokens": 0,
+            "e2e_latency": latency,
+        }
+        if s.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, out)]
+            meta["output_token_logprobs_length"] = len(out)
+            vals, ids, in_tops = input_lps or ([], [], [])
+            meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(vals, ids)]
+            if s.top_logprobs_num > 0:
+                meta["output_top_logprobs"] = tops
+                meta["input_top_logprobs"] = in_tops
+        resp = {"output_ids": out, "meta_info": meta}
+        if self.tokenizer is not None:
+            resp = {"text": self._text(out, s.params, finish), **resp}
+        return resp
+
+    def _text(self, out: list[int], p: SamplingParams, finish: dict) -> str:
+        matched = finish.get("matched") if finish["type"] == "stop" and not p.no_stop_trim else None
+        ids = out[:-1] if isinstance(matched, int) else out
+        text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+        return text[: text.find(matched)] if isinstance(matched, str) else text
+
+    def add_token_texts(self, resp: dict) -> None:
+        """``return_text_in_logprobs``: fill the third field of each ``[logprob, id, text]`` entry."""
+        if self.tokenizer is None:
+            return
+        for key in ("output_token_logprobs", "input_token_logprobs"):
+            for entry in resp["meta_info"].get(key, []):
+                entry[2] = self.tokenizer.decode([entry[1]])
+
+
+def _top(logprobs: torch.Tensor, k: int) -> list:
+    vals, ids = torch.topk(logprobs, k)
+    return [[float(v), int(i), None] for v, i in zip(vals, ids)]
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for value in (model.config.get_text_config().eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        ids |= set(value) if isinstance(value, (list, tuple)) else ({value} if value is not None else set())
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class Gate:
+    """Generation vs weight loads, and pause/continue, for threads (SGLang's RW lock + ``is_pause``)."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.pause_mode: str | None = None
+        self.running = 0  # requests inside the model
+        self.parked_in_place = 0  # paused requests that keep their KV cache
+        self.loading = False
+        self.loads_waiting = 0
+
+    @contextlib.contextmanager
+    def generating(self):
+        with self.cond:
+            self.cond.wait_for(lambda: self.pause_mode is None and not self.loading and not self.loads_waiting)
+            self.running += 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.running -= 1
+                self.cond.notify_all()
+
+    def between_tokens(self, sample) -> str:
+        with self.cond:
+            if sample.aborted or self.pause_mode == "abort":
+                return "abort"
+            if self.pause_mode is None:
+                return "continue"
+            mode, in_place = self.pause_mode, self.pause_mode == "in_place"
+            self.running -= 1
+            self.parked_in_place += in_place
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: sample.aborted or (self.pause_mode is None and not self.loading))
+            self.running += 1
+            self.parked_in_place -= in_place
+        return "abort" if sample.aborted else ("recompute" if mode == "retract" else "continue")
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        with self.cond:
+            self.loads_waiting += 1
+            self.cond.wait_for(lambda: self.running == 0 and not self.loading)
+            self.loads_waiting -= 1
+            self.loading = True
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.loading = False
+                self.cond.notify_all()
+
+    def abort(self, samples) -> None:
+        with self.cond:
+            for s in samples:
+                s.aborted = True
+            self.cond.notify_all()
+
+    def set_pause(self, mode: str | None) -> None:
+        with self.cond:
+            self.pause_mode = mode
+            self.cond.notify_all()
+
+    def holding_kv(self) -> int:
+        with self.cond:
+            return self.running + self.parked_in_place
