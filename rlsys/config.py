@@ -220,6 +220,7 @@ class TrainerConfig:
     keep_last: int = 2  # checkpoints kept; 0 = keep all
     seed: int = 42
     resume: bool = True  # continue from the latest checkpoint in output_dir if there is one
+    load_optimizer: bool = True  # false: resume weights only (e.g. after changing the parallel layout)
 
 
 @dataclass

@@ -149,7 +149,7 @@ def hf_to_mcore_rank(hf_dir: str, out_dir: str, layout: Layout, dtype: str, devi
     used = check_all_used(HFCheckpoint(hf_dir), arch, used)
     if rank == 0:
         merge_parts(parts, tmp)
-        _write_meta(tmp, hf_dir, arch, dtype, layout, chunk.vocab_size)
+        write_meta(tmp, hf_dir, arch, dtype, layout, chunk.vocab_size)
     destroy_topology()
     dist.barrier()
     if rank == 0:
@@ -160,7 +160,7 @@ def hf_to_mcore_rank(hf_dir: str, out_dir: str, layout: Layout, dtype: str, devi
         )
 
 
-def _write_meta(tmp: str, hf_dir: str, arch, dtype: str, layout: Layout, padded_vocab: int) -> None:
+def write_meta(tmp: str, hf_dir: str, arch, dtype: str, layout: Layout, padded_vocab: int) -> None:
     side = os.path.join(tmp, HF_SIDE_DIR)
     os.makedirs(side)
     copy_side_files(hf_dir, side)
@@ -236,7 +236,10 @@ def load_mcore(chunk, mcore_dir: str) -> None:
     """Load a whole (materialized) chunk from a dist checkpoint saved at any layout."""
     from megatron.core import dist_checkpointing
 
-    chunk.load_state_dict(dist_checkpointing.load(sharded_state_dict(chunk), mcore_dir))
+    wanted = sharded_state_dict(chunk)
+    loaded = dist_checkpointing.load(wanted, mcore_dir)
+    # a training checkpoint also holds optimizer state, which load() returns alongside the model's
+    chunk.load_state_dict({k: v for k, v in loaded.items() if k in wanted})
 
 
 _SAFETENSORS_DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}

@@ -173,6 +173,7 @@ def build_policy_worker(
         vocab_divisible_by=vocab_divisible_by,
         trainable=trainable,
         total_steps=total_steps,
+        hf_dir=hf_dir,
         load=lambda chunks: load_hf_weights(chunks, arch, topo, hf_dir),
     )
     return PolicyWorker(engine, algo, temperature)

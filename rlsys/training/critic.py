@@ -121,6 +121,7 @@ def build_critic_worker(
         dtype=dtype,
         vocab_divisible_by=vocab_divisible_by,
         total_steps=total_steps,
+        hf_dir=hf_dir,
         customize=add_head,
         load=lambda chunks: load_hf_weights(
             chunks, arch, topo, hf_dir, only=lambda name: not name.startswith("output_layer"), check_complete=False

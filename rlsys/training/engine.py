@@ -66,10 +66,12 @@ class MegatronEngine:
         total_steps: int = 1,
         load: Callable[[list], None] | None = None,
         customize: Callable[[list], None] | None = None,
+        hf_dir: str | None = None,
     ):
         """``load(chunks)`` fills the weights before the optimizer copies them into its master
-        params; ``customize(chunks)`` may swap modules (the critic's value head) before that."""
-        self.arch, self.topo, self.cfg, self.dtype = arch, topo, cfg, dtype
+        params; ``customize(chunks)`` may swap modules (the critic's value head) before that.
+        ``hf_dir`` is the HF checkpoint the weights came from (checkpoints copy its config and tokenizer)."""
+        self.arch, self.topo, self.cfg, self.dtype, self.hf_dir = arch, topo, cfg, dtype, hf_dir
         p = cfg.parallel
         self.chunks, self.config = build_model(
             arch,
@@ -143,6 +145,9 @@ class MegatronEngine:
             end_wd=o.weight_decay,
             wd_incr_steps=max(total_steps, 1),
             wd_incr_style="constant",
+            # on resume the config's LR settings win over the checkpoint's; the step count is restored
+            override_opt_param_scheduler=True,
+            use_checkpoint_opt_param_scheduler=False,
         )
 
     # -- micro-batches ------------------------------------------------------------------------
