@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Actor-update throughput (tokens/s) and MFU of a ~1B Qwen2-shaped model, bf16, on one GPU:
+# benchmarks/gpu_train.py, 2 warm-up + 20 timed PolicyWorker.update steps on random packed data.
+# Self-contained for a machine without network: megatron-core comes from the carried wheel
+# folder, rlsys from this checkout, torch and the rest from the machine's python3.
+#
+# 1. Here (needs PyPI), once:   bash benchmarks/make_gpu_bundle.sh     # fills the ignored .gpu_bundle/ (~2.6 MB)
+# 2. The device tool:
+#      run(command="bash benchmarks/gpu_check.sh", carry=[".gpu_bundle"], timeout_s=420)
+#    Expect 3-4 minutes (install and imports ~30 s, matmul probe, build, torch.compile of megatron's
+#    fused SwiGLU, 22 steps of ~1-3 s). The summary is the last lines of output_tail; $OUT gets
+#    env.txt, gpu_train.log and gpu_train.json.
+#
+# Arguments go to gpu_train.py (e.g. `--layers 8`, `--max-tokens 8192`, `--recompute selective`).
+# Environment: PYTHON (python3), GPU_BUNDLE (.gpu_bundle), GPU_CHECK_SITE (install target,
+# /tmp/rlsys_gpu_site), GPU_CHECK_ARGS ("--device cuda"; "--device cpu --tiny" for a dry run).
+# If torch.compile (megatron's jit_fuser) fails there, the run is repeated once with
+# TORCH_COMPILE_DISABLE=1 (unfused SwiGLU; the log says so).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+
+PYTHON=${PYTHON:-python3}
+BUNDLE=${GPU_BUNDLE:-.gpu_bundle}
+SITE=${GPU_CHECK_SITE:-/tmp/rlsys_gpu_site}
+RESULTS=${OUT:-/tmp/rlsys_gpu_check}
+read -r -a ARGS <<<"${GPU_CHECK_ARGS:---device cuda}"
+mkdir -p "$RESULTS"
+export PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # packed rows vary in length
+
+if [[ ! -f $BUNDLE/requirements.txt ]]; then
+    echo "no $BUNDLE/requirements.txt: run benchmarks/make_gpu_bundle.sh here and carry $BUNDLE" >&2
+    exit 2
+fi
+echo "=== installing $(tr '\n' ' ' <"$BUNDLE/requirements.txt")from $BUNDLE into $SITE (no index)"
+"$PYTHON" -m pip install -q --no-index --find-links "$BUNDLE" --no-deps --no-compile --no-cache-dir \
+    --upgrade --target "$SITE" -r "$BUNDLE/requirements.txt" || exit 3
+export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+
+echo "=== environment"
+{
+    nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm,clocks.max.sm \
+        --format=csv,noheader 2>&1 || true
+    "$PYTHON" - <<'EOF'
+import importlib.metadata as md
+import sys
+import warnings
+
+warnings.simplefilter("ignore")  # megatron's TE/apex-absent notices
+
+print("python", sys.version.split()[0], sys.executable)
+for name in ("torch", "megatron-core", "transformer-engine", "transformers", "numpy", "packaging", "triton"):
+    try:
+        print(f"  {name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        print(f"  {name} absent")
+import megatron.core
+import rlsys
+
+print("megatron.core from", megatron.core.__file__)
+print("rlsys from", rlsys.__file__)
+EOF
+} 2>&1 | tee "$RESULTS/env.txt"
+[[ ${PIPESTATUS[0]} == 0 ]] || exit 4
+
+bench() {
+    "$PYTHON" benchmarks/gpu_train.py "${ARGS[@]}" --json "$RESULTS/gpu_train.json" "$@" 2>&1 |
+        tee "$RESULTS/gpu_train.log"
+    return "${PIPESTATUS[0]}"
+}
+
+echo "=== gpu_train.py ${ARGS[*]} $*"
+bench "$@"
+rc=$?
+if ((rc != 0)) && [[ -z ${TORCH_COMPILE_DISABLE:-} ]] &&
+    grep -qE 'torch\._dynamo|torch\._inductor|InductorError|BackendCompilerFailed' "$RESULTS/gpu_train.log" &&
+    ! grep -q 'OutOfMemoryError' "$RESULTS/gpu_train.log"; then
+    echo "=== torch.compile failed (exit $rc); once more with TORCH_COMPILE_DISABLE=1"
+    mv "$RESULTS/gpu_train.log" "$RESULTS/gpu_train_compile_failed.log"
+    export TORCH_COMPILE_DISABLE=1
+    bench "$@"
+    rc=$?
+fi
+echo "=== gpu_check exit $rc; results in $RESULTS"
+exit "$rc"
