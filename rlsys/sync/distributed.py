@@ -109,8 +109,9 @@ class DistributedWeightSync:
                     port,
                     off,
                     world,
-                    self.group_name,
-                    self.backend,
+                    group_name=self.group_name,
+                    backend=self.backend,
+                    timeout_s=self.timeout_s,
                 )
                 for e, off in zip(self.engines, offsets)
             ]
@@ -233,10 +234,11 @@ class DistributedWeightSync:
                     bucket.names,
                     bucket.dtypes,
                     bucket.shapes,
-                    self.group_name,
-                    False,  # flush once per sync, before the first bucket
-                    str(self.version),
-                    fmt,
+                    group_name=self.group_name,
+                    flush_cache=False,  # flushed once per sync, before the first bucket
+                    weight_version=str(self.version),
+                    load_format=fmt,
+                    timeout_s=self.timeout_s,
                 )
                 for e in self.engines
             ]
