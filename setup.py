@@ -18,6 +18,10 @@ setup(
         "numpy",
         "psutil",  # megatron dist_checkpointing writer processes need it
         "tqdm",
+        "requests",  # the rollout engines' HTTP client
+        "aiohttp",  # the CPU rollout engine's server
+        "matplotlib>=3.8",  # reward / length / KL / step-time plots
+        "tensorboard>=2.14",
     ],
     extras_require={
         # Optional GPU acceleration: rlsys detects and uses them, and falls back without.
@@ -25,6 +29,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "nvidia-modelopt"],
         # SGLang runs in its own environment (it pins its own torch); this extra is for that env.
         "sglang": ["sglang>=0.5.23,<0.6", "sglang-router"],
+        "wandb": ["wandb>=0.17"],
         "dev": ["pytest>=8", "pytest-timeout", "ruff"],
     },
     entry_points={"console_scripts": ["rlsys=rlsys.cli:main"]},

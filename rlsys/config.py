@@ -203,6 +203,9 @@ class DataConfig:
     prompts_per_step: int = 32  # prompts per RL step (each sampled n times)
     shuffle: bool = True
     chat_template: Literal["tokenizer", "plain"] = "tokenizer"  # apply the tokenizer's chat template or not
+    eval_prompts: int = 64  # held-out prompts for trainer.eval_every
+    synthetic_task: Literal["copy", "reverse", "sort", "add"] = "copy"  # built-in task when path is None
+    synthetic_length: int = 3  # symbols (digits for add) per synthetic problem
 
 
 @dataclass
@@ -221,6 +224,8 @@ class TrainerConfig:
     seed: int = 42
     resume: bool = True  # continue from the latest checkpoint in output_dir if there is one
     load_optimizer: bool = True  # false: resume weights only (e.g. after changing the parallel layout)
+    eval_every: int = 0  # steps between greedy evaluations on the held-out prompts; 0 = never
+    export_hf: bool = True  # convert the final actor checkpoint to HF format (output_dir/hf_export)
 
 
 @dataclass
@@ -234,10 +239,16 @@ class ClusterConfig:
 
 @dataclass
 class LoggingConfig:
-    log_every: int = 1  # steps between metric lines
-    tensorboard: bool = False  # write events under trainer.output_dir
+    log_every: int = 1  # steps between console lines (metrics.jsonl gets every step)
+    tensorboard: bool = True  # write events under trainer.output_dir/tensorboard
     wandb_project: str | None = None  # None = no wandb
     wandb_mode: Literal["online", "offline", "disabled"] = "online"
+    wandb_entity: str | None = None
+    wandb_run_name: str | None = None
+    progress: Literal["auto", "bar", "plain", "off"] = "auto"  # auto: a bar on a terminal, plain lines otherwise
+    sample_every: int = 10  # steps between printed sample generations; 0 = never
+    num_samples: int = 2  # generations printed (and kept in samples.jsonl) each time
+    sample_max_chars: int = 400  # per printed prompt/response
 
 
 @dataclass
