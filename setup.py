@@ -28,7 +28,7 @@ setup(
         # NVIDIA apex is deliberately absent: PyPI's "apex" is an unrelated package.
         "gpu": ["transformer-engine[pytorch]", "nvidia-modelopt"],
         # SGLang runs in its own environment (it pins its own torch); this extra is for that env.
-        "sglang": ["sglang>=0.5.23,<0.6", "sglang-router"],
+        "sglang": ["sglang>=0.5.20,<0.6", "sglang-router"],
         "wandb": ["wandb>=0.17"],
         "dev": ["pytest>=8", "pytest-timeout", "ruff"],
     },

@@ -132,6 +132,7 @@ class RolloutConfig:
     num_engines: int = 1  # engines launched; each takes tp devices
     mem_fraction: float = 0.5  # share of device memory an engine may claim (static weights + KV cache)
     urls: list[str] = field(default_factory=list)  # attach to running servers instead of launching engines
+    sglang_python: str = "python3"  # interpreter of SGLang's own environment (it pins its own torch)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
 

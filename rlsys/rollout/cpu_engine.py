@@ -277,6 +277,12 @@ class CPUEngine:
         info.update(preferred_sampling_params=None, weight_version=self.weight_version, model_type=cfg.model_type)
         return _json({**info, "architectures": getattr(cfg, "architectures", None)})
 
+    def server_info(self, body: dict) -> web.Response:
+        # The SGLang API level this engine implements, so clients check it like any SGLang server.
+        from rlsys.rollout.protocol import MIRRORED_SGLANG_VERSION
+
+        return _json({"version": MIRRORED_SGLANG_VERSION, "engine": "rlsys-cpu", "model_path": self.model_path})
+
     def get_weights_by_name(self, body: dict) -> web.Response:
         t = None if self.released is not None else self.weights.read(str(body.get("name")))
         if t is None:
@@ -378,6 +384,8 @@ ROUTES = {  # path: (methods, engine method, runs on the control pool)
     "/release_memory_occupation": (("GET", "POST"), "release_memory_occupation", True),
     "/resume_memory_occupation": (("GET", "POST"), "resume_memory_occupation", True),
     "/model_info": (("GET",), "model_info", True),
+    "/server_info": (("GET",), "server_info", True),
+    "/get_server_info": (("GET",), "server_info", True),
     "/get_model_info": (("GET",), "model_info", True),
     "/get_weights_by_name": (("GET", "POST"), "get_weights_by_name", True),
     "/weights_checker": (("GET", "POST"), "weights_checker", True),

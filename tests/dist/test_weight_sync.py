@@ -1,0 +1,174 @@
+"""Trainer -> engine weight sync over a gloo broadcast group, into real CPU engine processes."""
+
+import json
+import os
+import signal
+
+import pytest
+import requests
+import torch
+from safetensors.torch import load_file
+
+from rlsys.local_ranks import run_on_ranks
+from rlsys.rollout.client import EngineClient
+from rlsys.rollout.cpu_engine import launch_cpu_engine
+from rlsys.rollout.hf_weights import tensor_checksum
+
+pytestmark = pytest.mark.dist
+
+
+def checkpoint_checksums(hf_dir, arch_tied: bool) -> dict:
+    tensors = {}
+    for f in sorted(os.listdir(hf_dir)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(hf_dir, f)))
+    if arch_tied:
+        tensors.pop("lm_head.weight", None)
+    return {k: tensor_checksum(v) for k, v in tensors.items()}
+
+
+def _trainer(hf_dir, layout, urls, engine_tp, opts, out_dir):
+    import torch.distributed as dist
+
+    from rlsys.config import RoleConfig
+    from rlsys.sync.distributed import DistributedWeightSync
+    from rlsys.topology import build_topology
+    from rlsys.training.actor import build_policy_worker
+    from rlsys.training.batch import TrainBatch
+
+    topo = build_topology(device="cpu", **layout)
+    worker = build_policy_worker(hf_dir, topo, RoleConfig(), None, trainable=False, temperature=0.8)
+    rank0 = dist.get_rank() == 0
+    clients = [EngineClient(u, timeout_s=60) for u in urls] if rank0 else []
+    if rank0 and opts.get("kill_on_bucket"):
+        clients[0] = _KillOnBucket(clients[0], opts["engine_pid"], opts["kill_on_bucket"])
+    sync = DistributedWeightSync(
+        topo,
+        worker.engine.arch,
+        clients,
+        engine_tp,
+        bucket_mb=opts.get("bucket_mb", 0.02),
+        load_format=opts.get("load_format", "flattened_bucket"),
+        backend="gloo",
+        master_address="127.0.0.1",
+        timeout_s=opts.get("timeout_s", 60),
+    )
+    result = {}
+    try:
+        stats = sync.sync(worker.engine.chunks)
+        result.update(bytes=stats.bytes, buckets=stats.buckets, tensors=stats.tensors, seconds=stats.seconds)
+    except Exception as e:  # the test inspects how a failed sync reports
+        result["error"] = f"{type(e).__name__}: {e}"
+    if opts.get("logprobs") and "error" not in result:
+        # the engine samples; the trainer scores the same tokens: the rollout/logprob_diff metric
+        sample = [None]
+        if rank0:
+            prompts = [[5, 17, 42, 7], [3, 3, 9]]
+            outs = clients[0].generate(prompts, {"temperature": 0.8, "max_new_tokens": 12})
+            sample[0] = [(prompts[o.prompt_index], o.output_ids, o.logprobs) for o in outs]
+        dist.broadcast_object_list(sample, src=0)
+        batch = TrainBatch([torch.tensor(p + o) for p, o, _ in sample[0]], [len(p) for p, _, _ in sample[0]])
+        ours = worker.compute_logprobs(batch)
+        if ours is not None and topo.tp_rank == 0:
+            diffs = [(a - torch.tensor(lp)).abs().max().item() for a, (_, _, lp) in zip(ours["logp"], sample[0])]
+            result["logprob_diff_max"] = max(diffs)
+    if rank0 or "logprob_diff_max" in result:
+        with open(os.path.join(out_dir, f"{dist.get_rank()}.json"), "w") as f:
+            json.dump(result, f)
+    sync.disconnect()
+
+
+class _KillOnBucket:
+    """A real client that SIGKILLs its engine when asked for the n-th bucket: an engine dying mid-sync."""
+
+    def __init__(self, client, pid, n):
+        self.client, self.pid, self.n, self.calls = client, pid, n, 0
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def update_weights_from_distributed(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.n:
+            os.kill(self.pid, signal.SIGKILL)
+        return self.client.update_weights_from_distributed(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """Two CPU engines per model type, started on a checkpoint the trainer does *not* hold."""
+    from rlsys.tiny_models import make_tiny_hf_checkpoint
+
+    started = {}
+
+    def get(model_type):
+        if model_type not in started:
+            initial = make_tiny_hf_checkpoint(model_type, str(tmp_path_factory.mktemp(model_type)), seed=123)
+            procs = [launch_cpu_engine(initial, dtype="float32") for _ in range(2)]
+            started[model_type] = procs
+        return started[model_type]
+
+    yield get
+    for procs in started.values():
+        for proc, _ in procs:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def run_sync(hf_dir, layout, world, urls, tmp_path, **opts):
+    out = tmp_path / f"sync{len(list(tmp_path.iterdir()))}"
+    out.mkdir()
+    run_on_ranks(_trainer, world, "cpu", hf_dir, layout, urls, [1] * len(urls), opts, str(out))
+    return [json.loads((out / f).read_text()) for f in sorted(os.listdir(out))]
+
+
+def engine_checksums(url):
+    """The CPU engine's per-tensor sha256 (its ``/weights_checksum`` extension)."""
+    return requests.post(url + "/weights_checksum", json={}, timeout=60).json()["checksums"]
+
+
+@pytest.mark.parametrize(
+    "model_type,layout,opts",
+    [
+        ("qwen2", {"tp": 2}, {}),  # tied embeddings, vocab padded for TP then trimmed
+        ("qwen3", {"pp": 2}, {"load_format": "per_tensor"}),  # two writers funnel into one sender
+        ("qwen3_moe", {"ep": 2}, {"bucket_mb": 0.005}),  # experts from both EP ranks, buckets < largest tensor
+    ],
+    ids=["qwen2-tp2", "qwen3-pp2-per-tensor", "qwen3_moe-ep2"],
+)
+def test_sync_makes_every_engine_tensor_equal_the_trainers(
+    engines, tiny_checkpoints, tmp_path, model_type, layout, opts
+):
+    hf = tiny_checkpoints[model_type]
+    urls = [url for _, url in engines(model_type)]
+    reports = run_sync(hf, layout, 2, urls, tmp_path, logprobs=True, **opts)
+    sender = reports[0]
+    assert "error" not in sender, sender
+    assert sender["buckets"] > 1 and sender["tensors"] > 0
+    with open(os.path.join(hf, "config.json")) as f:
+        tied = json.load(f).get("tie_word_embeddings", False)
+    want = checkpoint_checksums(hf, tied)
+    for url in urls:
+        got = engine_checksums(url)
+        assert got == want
+        assert EngineClient(url).weight_version() == "1"
+    diffs = [r["logprob_diff_max"] for r in reports if "logprob_diff_max" in r]
+    assert diffs and max(diffs) < 1e-4
+
+
+def test_engine_killed_mid_sync_is_reported_and_a_restarted_engine_resyncs(tiny_checkpoints, make_checkpoint, tmp_path):
+    hf = tiny_checkpoints["qwen3"]
+    initial = make_checkpoint("qwen3", seed=321)
+    victim, victim_url = launch_cpu_engine(initial, dtype="float32")
+    try:
+        reports = run_sync(
+            hf, {}, 1, [victim_url], tmp_path, kill_on_bucket=2, engine_pid=victim.pid, timeout_s=15, bucket_mb=0.01
+        )
+        assert "error" in reports[0] and victim.wait(timeout=10) == -signal.SIGKILL
+        # the caller restarts the engine and sends the weights again
+        victim, victim_url = launch_cpu_engine(initial, dtype="float32")
+        reports = run_sync(hf, {}, 1, [victim_url], tmp_path)
+        assert "error" not in reports[0]
+        assert engine_checksums(victim_url) == checkpoint_checksums(hf, False)
+    finally:
+        victim.kill()
