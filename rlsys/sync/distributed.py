@@ -14,7 +14,11 @@ Per sync, on every trainer rank (a collective over the training world):
    (the engine blocks until it has received the bucket), then broadcasts, then waits.
 
 Around the buckets rank 0 pauses generation and flushes the engines' caches once, and continues
-them at the end. The group: the trainer is rank 0, engine ``i``'s TP rank ``t`` is
+them at the end. With ``verify`` rank 0 also hashes every tensor it buckets and, after the last bucket
+and before continuing generation, compares every engine with those hashes (``rlsys.sync.verify``); a
+mismatch raises ``WeightSyncMismatch`` and leaves the engines paused. With ``weight_dtype="fp8"`` linear
+weights are block-quantized to FP8 before bucketing (``rlsys.sync.fp8``; the engines must run an FP8
+checkpoint). The group: the trainer is rank 0, engine ``i``'s TP rank ``t`` is
 ``1 + sum(tp of engines before i) + t``.
 """
 
@@ -34,6 +38,8 @@ import torch.distributed as dist
 from rlsys.megatron.export import is_dense_writer, is_expert_writer, iter_hf_tensors
 from rlsys.rollout.process_group import destroy_custom_process_group, init_custom_process_group
 from rlsys.sync.buckets import Bucket, Bucketer, dtype_name
+from rlsys.sync.fp8 import quantize_named_tensors
+from rlsys.sync.verify import TrainerChecksums, probe_engines, verify_engines
 
 _END = "__rlsys_end__"
 
@@ -69,7 +75,11 @@ class DistributedWeightSync:
         master_address: str | None = None,
         timeout_s: float = 300.0,
         group_name: str = "rlsys_weight_sync",
+        verify: bool = False,
+        weight_dtype: str = "auto",
     ):
+        if weight_dtype not in ("auto", "fp8"):
+            raise ValueError(f"rollout.weight_dtype must be 'auto' or 'fp8', got {weight_dtype!r}")
         if load_format not in ("flattened_bucket", "per_tensor"):
             raise ValueError(f"sync.load_format must be 'flattened_bucket' or 'per_tensor', got {load_format!r}")
         self.topo, self.arch = topo, arch
@@ -78,6 +88,9 @@ class DistributedWeightSync:
         self.load_format, self.backend, self.timeout_s = load_format, backend, timeout_s
         self.master_address = master_address or socket.gethostbyname(socket.gethostname())
         self.group_name = group_name
+        self.verify, self.weight_dtype = verify, weight_dtype
+        self._views = None  # what verification learned about the engines (probed once per connect)
+        self._checks: TrainerChecksums | None = None
         self.is_sender = dist.get_rank() == 0
         self.group = None
         # Writers in a fixed order, known to everyone; the funnel connects them to rank 0.
@@ -96,6 +109,8 @@ class DistributedWeightSync:
         if not self.is_sender:
             return
         from rlsys.local_ranks import free_port
+
+        self._views = None  # a restarted engine may store other dtypes
 
         port = free_port()
         world = 1 + sum(self.engine_tp)
@@ -144,6 +159,11 @@ class DistributedWeightSync:
                 e.pause_generation()
             for e in self.engines:
                 e.flush_cache()
+            self._checks = None
+            if self.verify:
+                if self._views is None:
+                    self._views = probe_engines(self.engines, self.timeout_s)
+                self._checks = TrainerChecksums.for_engines(self._views)
             outbox: queue.Queue = queue.Queue(maxsize=2)  # bounds memory: one bucket in flight, one ready
             sender = threading.Thread(target=self._broadcast_loop, args=(outbox, stats), daemon=True)
             sender.start()
@@ -172,6 +192,8 @@ class DistributedWeightSync:
             if getattr(self, "_send_error", None) is not None:
                 err, self._send_error = self._send_error, None
                 raise err
+            if self._checks is not None:  # before continuing: no rollout may sample from wrong weights
+                verify_engines(self.engines, self._checks, self.timeout_s, expected_version=self.version)
             for e in self.engines:
                 e.continue_generation()
         else:
@@ -183,11 +205,15 @@ class DistributedWeightSync:
         return stats
 
     def _add(self, bucketer: Bucketer, outbox: queue.Queue, name: str, tensor: torch.Tensor) -> None:
-        full = bucketer.add(name, tensor)
-        if full is not None:
-            if getattr(self, "_send_error", None) is not None:
-                raise self._send_error
-            outbox.put(full, timeout=self.timeout_s)
+        named = quantize_named_tensors([(name, tensor)]) if self.weight_dtype == "fp8" else [(name, tensor)]
+        for n, t in named:
+            if self._checks is not None:  # what is sent, after quantization, is what the engine must hold
+                self._checks.add(n, t)
+            full = bucketer.add(n, t)
+            if full is not None:
+                if getattr(self, "_send_error", None) is not None:
+                    raise self._send_error
+                outbox.put(full, timeout=self.timeout_s)
 
     def _send_to_sender(self, name: str, tensor: torch.Tensor) -> None:
         dist.send_object_list([(name, tensor.dtype, tuple(tensor.shape))], dst=0, group=self.funnel)

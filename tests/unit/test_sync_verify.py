@@ -1,0 +1,189 @@
+"""sync.verify: trainer-side checksums and samples, and how engine replies are compared (fake engines)."""
+
+import pytest
+import torch
+
+from rlsys.rollout.client import EngineError
+from rlsys.rollout.hf_weights import tensor_checksum
+from rlsys.sync.verify import (
+    GET_WEIGHTS_BY_NAME,
+    WEIGHTS_CHECKSUM,
+    TrainerChecksums,
+    VerificationUnavailable,
+    WeightSyncMismatch,
+    compare_checksums,
+    probe_engines,
+    sample_difference,
+    verify_engines,
+)
+
+
+def trainer_tensors(n=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.mlp.down_proj.weight": torch.randn(8, 4, generator=g) for i in range(n)}
+
+
+class FakeEngine:
+    """Holds tensors in its own dtype, loaded the way an engine's loader does (``copy_``)."""
+
+    def __init__(self, url, sent: dict, dtype=torch.bfloat16, checksum_endpoint=True, readable=True, version="1"):
+        self.url, self.checksum_endpoint, self.readable, self.version = url, checksum_endpoint, readable, version
+        self.weights = {}
+        for name, t in sent.items():
+            self.weights[name] = torch.empty(t.shape, dtype=dtype).copy_(t)
+        self.calls = []
+
+    def request(self, method, endpoint, *, json=None, params=None, timeout_s=None):
+        self.calls.append(endpoint)
+        if endpoint == WEIGHTS_CHECKSUM and self.checksum_endpoint:
+            return {
+                "success": True,
+                "weight_version": self.version,
+                "checksums": {n: tensor_checksum(t) for n, t in self.weights.items()},
+                "dtypes": {n: str(t.dtype).removeprefix("torch.") for n, t in self.weights.items()},
+            }
+        if endpoint == GET_WEIGHTS_BY_NAME and self.readable and json["name"] in self.weights:
+            return self.weights[json["name"]].float().tolist()[: json["truncate_size"]]
+        message = "Get parameter by name failed" if endpoint == GET_WEIGHTS_BY_NAME else "Not Found"
+        status = 400 if endpoint == GET_WEIGHTS_BY_NAME else 404
+        raise EngineError(self.url, endpoint, f"HTTP {status}: {message}", status=status)
+
+    def weight_version(self, timeout_s=None):
+        return self.version
+
+
+def fed(views_or_trainer, tensors):
+    for name, t in tensors.items():
+        views_or_trainer.add(name, t)
+    return views_or_trainer
+
+
+def test_checksums_are_taken_in_the_dtype_each_engine_stores():
+    t = torch.randn(5, 3)  # float32 on the trainer
+    sums = fed(TrainerChecksums([{"w": "bfloat16"}, {"w": "float16"}, {}]), {"w": t, "b": t[0]})
+    assert sums.sent == {"w": "float32", "b": "float32"}
+    assert sums.checksums["w"] == {
+        "bfloat16": tensor_checksum(torch.empty(5, 3, dtype=torch.bfloat16).copy_(t)),
+        "float16": tensor_checksum(t.half()),
+    }
+    assert sums.checksums["w"]["bfloat16"] != tensor_checksum(t)
+    assert sums.checksums["b"] == {"float32": tensor_checksum(t[0])}  # no engine lists it: as sent
+
+
+def test_fp32_trainer_against_bf16_engine_passes_and_every_kind_of_mismatch_is_named():
+    sent = trainer_tensors()
+    engine = FakeEngine("http://e0", sent)
+    good = FakeEngine("http://e1", sent)
+    views = probe_engines([engine, good])
+    assert [v.checksums for v in views] == [True, True] and views[0].dtypes[next(iter(sent))] == "bfloat16"
+    trainer = fed(TrainerChecksums.for_engines(views), sent)
+    assert trainer.sample_size == 0  # every engine answers checksums: no sampling needed
+    reports = verify_engines([engine, good], trainer, expected_version=1)
+    assert all(r.ok and r.method == "checksum" and r.checked == 6 for r in reports)
+
+    names = list(sent)
+    engine.weights[names[2]] = engine.weights[names[2]] + 1  # a bad write
+    del engine.weights[names[4]]  # a tensor that never arrived
+    engine.weights["model.layers.9.mlp.down_proj.weight"] = torch.zeros(8, 4, dtype=torch.bfloat16)  # stale
+    with pytest.raises(WeightSyncMismatch) as info:
+        verify_engines([engine, good], trainer)
+    (report,) = info.value.reports
+    assert report.url == "http://e0"
+    assert report.different == [f"{names[2]} (bfloat16)"]
+    assert report.missing == [names[4]]
+    assert report.extra == ["model.layers.9.mlp.down_proj.weight"]
+    text = str(info.value)
+    assert "failed on 1 of 2 engine(s)" in text and "http://e0" in text and "http://e1" not in text
+    assert names[2] in text and names[4] in text and "stale" in text
+
+
+def test_weight_version_and_unanticipated_dtype():
+    sent = trainer_tensors(2)
+    trainer = fed(TrainerChecksums([{n: "bfloat16" for n in sent}]), sent)
+    engine = FakeEngine("http://e", sent, dtype=torch.float16, version="3")  # restarted with another dtype
+    reply = engine.request("POST", WEIGHTS_CHECKSUM)
+    report = compare_checksums(engine.url, reply, trainer, expected_version=4)
+    assert report.version_error == "weight version '3', expected '4'"
+    assert len(report.different) == 2 and "stores float16, the trainer hashed bfloat16" in report.different[0]
+
+
+def test_listing_is_truncated():
+    sent = trainer_tensors(12)
+    trainer = fed(TrainerChecksums(), sent)
+    engine = FakeEngine("http://e", {}, dtype=torch.float32)
+    with pytest.raises(WeightSyncMismatch, match="12 sent but missing on the engine: .* and 4 more"):
+        verify_engines([engine], trainer)
+
+
+def test_sglang_engines_are_compared_on_sampled_rows():
+    sent = trainer_tensors(40)
+    sglang = FakeEngine("http://sglang", sent, checksum_endpoint=False)
+    views = probe_engines([sglang])
+    assert not views[0].checksums
+    trainer = fed(TrainerChecksums.for_engines(views, samples=5, sample_rows=3), sent)
+    assert not trainer.compute_checksums and not trainer.checksums
+    assert len(trainer.samples) == 5 and all(s.shape == (3, 4) for s in trainer.samples.values())
+    (report,) = verify_engines([sglang], trainer, expected_version="1")
+    assert report.ok and report.method == "sampled" and report.checked == 5
+    assert sglang.calls.count(GET_WEIGHTS_BY_NAME) == 5
+
+    victim = next(iter(trainer.samples))
+    sglang.weights[victim][0, 0] += 1.0
+    with pytest.raises(WeightSyncMismatch, match="max abs difference") as info:
+        verify_engines([sglang], trainer)
+    assert info.value.reports[0].different[0].startswith(victim)
+    sglang.weights[victim][0, 0] -= 1.0
+    sglang.version = "0"
+    with pytest.raises(WeightSyncMismatch, match="weight version '0', expected '1'"):
+        verify_engines([sglang], trainer, expected_version=1)
+
+
+def test_sglang_engine_that_cannot_read_names():
+    sent = trainer_tensors(4)
+    trainer = fed(TrainerChecksums(checksums=False, samples=4), sent)
+    blind = FakeEngine("http://sglang", sent, checksum_endpoint=False, readable=False)
+    with pytest.raises(VerificationUnavailable, match="cannot be verified"):
+        verify_engines([blind], trainer)
+    partly = FakeEngine("http://sglang", sent, checksum_endpoint=False)
+    del partly.weights[list(sent)[1]]
+    with pytest.raises(WeightSyncMismatch, match="1 not readable through /get_weights_by_name"):
+        verify_engines([partly], trainer)
+    with pytest.raises(VerificationUnavailable, match="kept no sampled rows"):
+        verify_engines([partly], fed(TrainerChecksums(), sent))
+    with pytest.raises(VerificationUnavailable, match="hashed nothing"):
+        verify_engines([FakeEngine("http://cpu", sent)], trainer)
+
+
+def test_mixed_engines_collect_both():
+    sent = trainer_tensors(3)
+    views = probe_engines([FakeEngine("http://cpu", sent), FakeEngine("http://sglang", sent, checksum_endpoint=False)])
+    trainer = TrainerChecksums.for_engines(views, samples=2)
+    assert trainer.compute_checksums and trainer.sample_size == 2
+
+
+def test_reservoir_sample_is_bounded_deterministic_and_spread():
+    names = [f"t{i}.weight" for i in range(200)]
+
+    def sample(seed):
+        trainer = TrainerChecksums(checksums=False, samples=10, seed=seed)
+        for n in names:
+            trainer.add(n, torch.zeros(2))
+        return list(trainer.samples)
+
+    assert sample(0) == sample(0) and len(sample(0)) == 10
+    kept = [n for seed in range(50) for n in sample(seed)]
+    assert len(set(kept)) > 150  # not stuck on the first names
+    assert sum(int(n[1:].split(".")[0]) < 100 for n in kept) / len(kept) == pytest.approx(0.5, abs=0.1)
+    trainer = TrainerChecksums(checksums=False, samples=10)
+    trainer.add("a.weight", torch.zeros(4, 4, dtype=torch.float8_e4m3fn))
+    trainer.add("a.weight_scale_inv", torch.ones(1, 1))  # scales are blocks, not rows: never sampled
+    assert list(trainer.samples) == ["a.weight"] and trainer.samples["a.weight"].dtype == torch.float32
+
+
+def test_sample_difference():
+    ours = torch.tensor([[1.0, -2.0], [0.0, 3.0]])
+    assert sample_difference(ours, ours.to(torch.bfloat16).float().tolist()) is None
+    assert sample_difference(ours, (ours * (1 + 2**-6)).tolist()) is not None
+    assert "shape" in sample_difference(ours, ours[:1].tolist())
+    assert sample_difference(ours, [[float("nan"), -2.0], [0.0, 3.0]]) is not None
+    assert "not a numeric array" in sample_difference(ours, {"detail": "x"})
