@@ -6,7 +6,7 @@ import pytest
 
 from rlsys.cli import main
 
-CPU_CONFIG = "configs/cpu_tiny_grpo.yaml"
+CPU_CONFIG = "configs/tiny-cpu-grpo.yaml"
 
 
 def test_plan_prints_grid(capsys):

@@ -20,11 +20,13 @@ def _plan(cfg: RunConfig) -> str:
 def test_there_are_example_configs():
     names = {os.path.basename(p) for p in CONFIGS}
     assert {
-        "qwen2_0.5b_grpo.yaml",
-        "qwen3_moe_30b_a3b_dapo.yaml",
-        "deepseek_v3_grpo.yaml",
+        "tiny-cpu-grpo.yaml",
+        "qwen2.5-0.5b-gsm8k-grpo.yaml",
+        "qwen3-8b-dapo.yaml",
+        "qwen3-30b-a3b-grpo.yaml",
+        "qwen3-235b-a22b-grpo.yaml",
+        "deepseek-v3-671b-grpo.yaml",
         "llama3_8b_ppo.yaml",
-        "cpu_tiny_grpo.yaml",
     } <= names
 
 

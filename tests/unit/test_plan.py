@@ -136,10 +136,10 @@ def test_uneven_pipeline_stages():
 
 
 def test_render_compresses_large_worlds():
-    cfg = load_config("configs/deepseek_v3_grpo.yaml")
+    cfg = load_config("configs/deepseek-v3-671b-grpo.yaml")
     text = render_plan(build_plan(cfg, model_arch(cfg.model)))
-    assert "TP8 x PP16 x CP1 x EP64 x DP8" in text
-    assert "... and 1008 more ranks" in text
+    assert "TP8 x PP4 x CP1 x EP32 x DP4" in text
+    assert "... and 112 more ranks" in text
     assert "671.03B parameters" in text
 
 
