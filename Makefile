@@ -40,7 +40,9 @@ demo: install
 	$(PY) -m rlsys.demo
 
 bench: install
-	@for b in benchmarks/*.py; do case $$b in *gpu_train.py) continue;; esac; echo "== $$b"; $(PY) $$b || exit 1; done
+	@for b in benchmarks/*.py; do \
+	  case $$b in *gpu_train.py) continue;; *sync.py) args="$${SYNC_BENCH_ARGS---quick}";; *) args="";; esac; \
+	  echo "== $$b $$args"; $(PY) $$b $$args || exit 1; done
 
 lint: install
 	$(PY) -m ruff check rlsys tools tests benchmarks

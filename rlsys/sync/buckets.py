@@ -42,8 +42,20 @@ class Bucket:
         order = sorted(range(len(self.names)), key=lambda i: -self.tensors[i].element_size())
         return Bucket([self.names[i] for i in order], [self.tensors[i] for i in order], self.nbytes)
 
-    def flattened(self) -> torch.Tensor:
-        return torch.cat([t.reshape(-1).view(torch.uint8) for t in self.tensors])
+    def flattened(self, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """The bucket's bytes in order; written into ``buffer`` (reused across buckets) when it is large enough.
+
+        Only reuse a buffer when nothing reads the previous flat tensor any more (a synchronous
+        broadcast); IPC consumers read it after the call returns and need a fresh one.
+        """
+        if buffer is None or buffer.numel() < self.nbytes or buffer.device != self.tensors[0].device:
+            return torch.cat([t.reshape(-1).view(torch.uint8) for t in self.tensors])
+        out, offset = buffer[: self.nbytes], 0
+        for t in self.tensors:
+            n = t.numel() * t.element_size()
+            out[offset : offset + n].copy_(t.reshape(-1).view(torch.uint8))
+            offset += n
+        return out
 
 
 class Bucketer:

@@ -91,6 +91,7 @@ class DistributedWeightSync:
         self.verify, self.weight_dtype = verify, weight_dtype
         self._views = None  # what verification learned about the engines (probed once per connect)
         self._checks: TrainerChecksums | None = None
+        self._flat_buffer = None
         self.is_sender = dist.get_rank() == 0
         self.group = None
         # Writers in a fixed order, known to everyone; the funnel connects them to rank 0.
@@ -269,7 +270,10 @@ class DistributedWeightSync:
                 for e in self.engines
             ]
             if fmt == "flattened_bucket":
-                dist.broadcast(bucket.flattened(), src=0, group=self.group)
+                flat = bucket.flattened(self._flat_buffer)
+                if self._flat_buffer is None or flat.numel() > self._flat_buffer.numel():
+                    self._flat_buffer = flat  # the broadcast is synchronous: the next bucket may reuse it
+                dist.broadcast(flat, src=0, group=self.group)
             else:
                 for t in bucket.tensors:
                     dist.broadcast(t, src=0, group=self.group)

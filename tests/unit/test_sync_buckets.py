@@ -38,3 +38,14 @@ def test_flattened_round_trip_mixed_dtypes():
     assert dtype_name(torch.float32) == "float32"
     with pytest.raises(ValueError, match="metadata describes"):
         unflatten(flat[:-1], bucket.dtypes, bucket.shapes)
+
+
+def test_flattened_into_a_reused_buffer_matches_a_fresh_one():
+    b = Bucketer(1 << 20)
+    b.add("x", torch.randn(4, 3))
+    b.add("y", torch.arange(6, dtype=torch.int64))
+    bucket = b.flush().aligned()
+    buffer = torch.full((1000,), 7, dtype=torch.uint8)
+    flat = bucket.flattened(buffer)
+    assert flat.data_ptr() == buffer.data_ptr() and torch.equal(flat, bucket.flattened())
+    assert bucket.flattened(torch.zeros(3, dtype=torch.uint8)).numel() == bucket.nbytes  # too small: a fresh one
