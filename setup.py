@@ -22,6 +22,8 @@ setup(
         "aiohttp",  # the CPU rollout engine's server
         "matplotlib>=3.8",  # reward / length / KL / step-time plots
         "tensorboard>=2.14",
+        "math-verify>=0.8",  # math answer equivalence for the "math" reward
+        "pyarrow>=14",  # Parquet prompt datasets
     ],
     extras_require={
         # Optional GPU acceleration: rlsys detects and uses them, and falls back without.

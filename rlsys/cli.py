@@ -27,6 +27,27 @@ def _cmd_plan(args) -> int:
     return 0
 
 
+def _cmd_train(args) -> int:
+    from rlsys.config import load_config
+    from rlsys.plan import model_arch, validate_layout
+    from rlsys.trainer.loop import train
+
+    cfg = load_config(args.config, args.overrides)
+    validate_layout(cfg, model_arch(cfg.model))
+    history = train(cfg, use_ray=not args.no_ray)
+    if history:
+        last = history[-1]
+        print(f"done: {len(history)} steps, reward/mean {last['reward/mean']:.3f}, output in {cfg.trainer.output_dir}")
+    return 0
+
+
+def _cmd_plot(args) -> int:
+    from rlsys.logging.plot import plot_run
+
+    print(plot_run(args.output_dir))
+    return 0
+
+
 def _cmd_check_parity(args) -> int:
     from rlsys.config import ParallelConfig
     from rlsys.convert.hf_checkpoint import HFCheckpoint
@@ -100,6 +121,16 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--tol", type=float, default=1e-4)
     par.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     par.set_defaults(func=_cmd_check_parity)
+
+    tr = sub.add_parser("train", help="run an RL job: rlsys train CONFIG [key=value ...]")
+    tr.add_argument("config")
+    tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=10")
+    tr.add_argument("--no-ray", action="store_true", help="run one-rank roles in this process (for a debugger)")
+    tr.set_defaults(func=_cmd_train)
+
+    pl = sub.add_parser("plot", help="draw reward, length, KL and step-time curves of a run as a PNG")
+    pl.add_argument("output_dir")
+    pl.set_defaults(func=_cmd_plot)
 
     conv = sub.add_parser(
         "convert", help="HF <-> Megatron checkpoints (same as python -m tools.convert)", add_help=False

@@ -111,6 +111,10 @@ class SamplingConfig:
     top_k: int = -1  # -1 disables top-k, as in SGLang
     max_new_tokens: int = 1024
     stop: list[str] = field(default_factory=list)  # extra stop strings besides EOS
+    # Send a sampling_seed derived from (trainer.seed, step): a resumed run then samples exactly what the
+    # uninterrupted run did (the CPU engine seeds sample j of a request with seed + j). Off by default:
+    # check on your SGLang version that the n samples of a prompt still differ with a request seed.
+    reproducible: bool = False
 
 
 @dataclass
@@ -133,6 +137,7 @@ class RolloutConfig:
     mem_fraction: float = 0.5  # share of device memory an engine may claim (static weights + KV cache)
     urls: list[str] = field(default_factory=list)  # attach to running servers instead of launching engines
     sglang_python: str = "python3"  # interpreter of SGLang's own environment (it pins its own torch)
+    weight_dtype: Literal["auto", "fp8"] = "auto"  # fp8: block-quantized linear weights (engines serve an FP8 copy)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
 

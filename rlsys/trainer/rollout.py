@@ -27,6 +27,11 @@ def start_engines(cfg: RolloutConfig, model_dir: str, dtype: str, seed: int, log
     os.makedirs(log_dir, exist_ok=True)
     if cfg.urls:
         return EnginePool.attach(cfg.urls, timeout_s=cfg.sync.timeout_s)
+    if cfg.weight_dtype == "fp8":
+        from rlsys.sync.fp8 import write_fp8_checkpoint
+
+        # SGLang allocates FP8 parameters only when it starts on an FP8 checkpoint
+        model_dir = write_fp8_checkpoint(model_dir, os.path.join(log_dir, "..", "fp8_model"))
     if cfg.engine == "sglang":
         return launch_sglang_pool(
             model_dir,
@@ -48,7 +53,9 @@ def start_engines(cfg: RolloutConfig, model_dir: str, dtype: str, seed: int, log
     return EnginePool.launch(servers, timeout_s=cfg.sync.timeout_s, health_timeout_s=300)
 
 
-def sampling_params(cfg: SamplingConfig, stop_token_ids: list[int], greedy: bool = False) -> dict:
+def sampling_params(
+    cfg: SamplingConfig, stop_token_ids: list[int], greedy: bool = False, seed: int | None = None
+) -> dict:
     """SGLang's ``sampling_params`` for one request (``n`` samples of every prompt)."""
     params = {
         "temperature": 0.0 if greedy else cfg.temperature,
@@ -60,15 +67,22 @@ def sampling_params(cfg: SamplingConfig, stop_token_ids: list[int], greedy: bool
     }
     if cfg.stop:
         params["stop"] = list(cfg.stop)
+    if seed is not None and cfg.reproducible and not greedy:
+        params["sampling_seed"] = seed
     return params
 
 
 def generate(pool: EnginePool, prompts: list[list[int]], params: dict) -> list[Sample]:
-    """``len(prompts) * n`` samples, prompt-major. Empty responses get one EOS-less token dropped upstream."""
+    """``len(prompts) * n`` samples, prompt-major, each with the engine's weight version."""
     outs = pool.generate(prompts, params)
     return [
         Sample(
-            o.prompt_index, list(prompts[o.prompt_index]), list(o.output_ids), list(o.logprobs or []), o.finish_reason
+            o.prompt_index,
+            list(prompts[o.prompt_index]),
+            list(o.output_ids),
+            list(o.logprobs or []),
+            o.finish_reason,
+            o.weight_version,
         )
         for o in outs
     ]

@@ -1,0 +1,179 @@
+"""Prompt datasets: records from JSONL/JSON/Parquet (or the synthetic task), templated and tokenized.
+
+Each record needs ``data.prompt_key`` (a string, or a chat as a list of ``{"role", "content"}``) and
+``data.answer_key`` (the ground truth handed to the reward function). Keys may be dotted to reach
+into nested records, as in verl's parquet files (``reward_model.ground_truth``). An empty
+``data.answer_key`` gives every prompt the answer None, for reward models that need no ground truth.
+
+``data.chat_template``: "tokenizer" renders the prompt as a user turn with the tokenizer's chat
+template and the generation prompt; "plain" uses ``data.prompt_template`` (``{prompt}`` is replaced
+by the prompt). A tokenizer without a chat template falls back to plain, with a warning, so base
+models and the synthetic task run with the default config.
+
+Prompts longer than ``data.max_prompt_len`` tokens are dropped (counted and logged); the sequence
+budget of the run is planned from that bound.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlsys.errors import ConfigError
+
+logger = logging.getLogger("rlsys.data")
+
+EXTENSIONS = (".jsonl", ".json", ".parquet", ".pq")
+
+
+@dataclass
+class Prompt:
+    index: int  # position in the dataset (after filtering): what the sampler draws
+    text: str  # the prompt as the model sees it, template applied
+    ids: list[int]
+    answer: Any
+    record: dict = field(repr=False)  # the whole source record, for reward extras and logging
+
+
+def _files(path: str) -> list[str]:
+    if os.path.isdir(path):
+        files = sorted(f for ext in EXTENSIONS for f in glob.glob(os.path.join(path, f"*{ext}")))
+        if not files:
+            raise ConfigError("data.path", f"directory {path!r} has no {'/'.join(EXTENSIONS)} files")
+        return files
+    if not os.path.isfile(path):
+        raise ConfigError("data.path", f"no such file or directory: {path!r}")
+    if not path.endswith(EXTENSIONS):
+        raise ConfigError("data.path", f"{path!r}: expected a {'/'.join(EXTENSIONS)} file")
+    return [path]
+
+
+def _read_json(path: str) -> list[dict]:
+    with open(path) as f:
+        text = f.read()
+    if path.endswith(".json") and text.lstrip().startswith("["):
+        return json.loads(text)
+    records = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ConfigError("data.path", f"{path}:{n}: not a JSON line: {e}") from None
+    return records
+
+
+def load_records(path: str) -> list[dict]:
+    """All records of a file, or of every data file in a directory (in name order)."""
+    records = []
+    for f in _files(path):
+        if f.endswith((".parquet", ".pq")):
+            import pyarrow.parquet as pq
+
+            records.extend(pq.read_table(f).to_pylist())
+        else:
+            records.extend(_read_json(f))
+    if records and not all(isinstance(r, dict) for r in records):
+        raise ConfigError("data.path", f"{path!r}: every record must be a JSON object")
+    return records
+
+
+def get_key(record: dict, key: str, config_key: str):
+    """``record[key]``, following dots into nested records; a missing key names the config key to fix."""
+    value = record
+    for part in key.split(".") if key not in record else [key]:
+        if not isinstance(value, dict) or part not in value:
+            keys = sorted(record)
+            raise ConfigError(config_key, f"records have no key {key!r}; available keys: {keys}")
+        value = value[part]
+    return value
+
+
+def render(prompt, tokenizer, chat_template: str, prompt_template: str = "{prompt}") -> tuple[str, bool]:
+    """The prompt text and whether it came from the chat template (which carries its own BOS)."""
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+    if chat_template == "tokenizer" and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), True
+    text = "\n".join(str(m["content"]) for m in messages)
+    # replace, not str.format: templates of math prompts are full of braces (\boxed{}).
+    return prompt_template.replace("{prompt}", text), False
+
+
+class PromptDataset:
+    def __init__(
+        self,
+        records: list[dict],
+        tokenizer,
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
+        max_prompt_len: int = 1024,
+        chat_template: str = "tokenizer",
+        prompt_template: str = "{prompt}",
+        source: str = "records",
+    ):
+        if not records:
+            raise ConfigError("data.path", f"{source}: no records")
+        if chat_template == "tokenizer" and not getattr(tokenizer, "chat_template", None):
+            logger.warning("data: the tokenizer has no chat template; prompts use data.prompt_template instead")
+        self.source, self.prompts, self.dropped, longest = source, [], 0, 0
+        for record in records:
+            prompt = get_key(record, prompt_key, "data.prompt_key")
+            text, templated = render(prompt, tokenizer, chat_template, prompt_template)
+            answer = get_key(record, answer_key, "data.answer_key") if answer_key else None
+            ids = list(tokenizer.encode(text, add_special_tokens=not templated))
+            if len(ids) > max_prompt_len:
+                self.dropped, longest = self.dropped + 1, max(longest, len(ids))
+                continue
+            self.prompts.append(Prompt(len(self.prompts), text, ids, answer, record))
+        if self.dropped:
+            logger.warning(
+                "data: dropped %d of %d prompts of %s longer than data.max_prompt_len=%d tokens (longest %d)",
+                self.dropped, len(records), source, max_prompt_len, longest,
+            )  # fmt: skip
+        if not self.prompts:
+            raise ConfigError("data.max_prompt_len", f"all {len(records)} prompts of {source} are longer than it")
+
+    @classmethod
+    def from_config(cls, data_cfg, tokenizer, split: str = "train", seed: int = 0) -> PromptDataset | None:
+        """The train or eval dataset of a ``DataConfig``; ``data.path: null`` is the synthetic task.
+        Returns None for an eval split that the config does not define."""
+        path = data_cfg.path if split == "train" else getattr(data_cfg, "eval_path", None)
+        keys = (data_cfg.prompt_key, data_cfg.answer_key)
+        if path is None and data_cfg.path is None:
+            records, source = synthetic_records(data_cfg, split, seed), f"synthetic task ({split})"
+            keys = ("prompt", "answer")
+        elif path is None:
+            return None
+        else:
+            records, source = load_records(path), path
+        return cls(
+            records,
+            tokenizer,
+            *keys,
+            data_cfg.max_prompt_len,
+            data_cfg.chat_template,
+            getattr(data_cfg, "prompt_template", "{prompt}"),
+            source,
+        )
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, i: int) -> Prompt:
+        return self.prompts[i]
+
+    def batch(self, indices: list[int]) -> list[Prompt]:
+        return [self.prompts[i] for i in indices]
+
+
+def synthetic_records(data_cfg, split: str, seed: int) -> list[dict]:
+    from rlsys.data.synthetic import SyntheticTask
+
+    task = SyntheticTask(getattr(data_cfg, "synthetic_kind", "copy"), seed=seed)
+    if split == "train":
+        return task.train_set(getattr(data_cfg, "synthetic_size", 4096))
+    return task.eval_set(getattr(data_cfg, "eval_size", 64))

@@ -1,0 +1,184 @@
+"""A built-in verifiable task that needs no downloads: string manipulation with exact answers.
+
+The demo and the tests train a tiny random model with RL alone, so the task is built to be learnable
+from scratch within a few hundred steps: a word-level vocabulary of a few dozen tokens (a random
+policy hits a task token often enough to get some signal), short prompts and answers, and a reward
+with partial credit per answer position (dense), scaled down by extra tokens (so the policy must
+also learn to stop with EOS). A uniformly random policy scores about 0.02; the right answer scores 1.
+
+Kinds (``L`` = ``length`` symbols drawn from the first ``alphabet`` letters):
+  copy     ``copy c a f =``     -> ``c a f``
+  reverse  ``reverse c a f =``  -> ``f a c``
+  sort     ``sort c a f =``     -> ``a c f``
+  add      ``add 4 7 + 1 8 =``  -> ``6 5`` (two L-digit numbers; the sum's digits)
+
+A held-out eval split is a fixed set of problems that the train split never produces (chosen by a
+hash of the prompt), so eval scores measure generalization, not memorization.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
+LETTERS = [chr(ord("a") + i) for i in range(16)]
+DIGITS = [str(d) for d in range(10)]
+KINDS = ("count", "copy", "reverse", "sort", "add")
+VOCAB = SPECIAL_TOKENS + DIGITS + LETTERS + list(KINDS) + ["=", "+"]
+
+
+class SyntheticTokenizer:
+    """Word-level tokenizer over ``VOCAB``: text is tokens separated by spaces."""
+
+    def __init__(self):
+        self.vocab = {tok: i for i, tok in enumerate(VOCAB)}
+        self.pad_token_id, self.eos_token_id, self.unk_token_id = 0, 1, 2
+        self.pad_token, self.eos_token, self.unk_token = SPECIAL_TOKENS
+        self.chat_template = None  # prompts are used as they are (data.chat_template falls back to plain)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(VOCAB)
+
+    def __len__(self) -> int:
+        return len(VOCAB)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [self.vocab.get(tok, self.unk_token_id) for tok in text.split()]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        toks = [VOCAB[i] if 0 <= i < len(VOCAB) else self.unk_token for i in ids]
+        return " ".join(t for t in toks if not (skip_special_tokens and t in SPECIAL_TOKENS))
+
+    def save_pretrained(self, out_dir: str) -> str:
+        """Write ``tokenizer.json`` + ``tokenizer_config.json``, loadable by ``AutoTokenizer`` (and thus by
+        the rollout engines, which decode responses to text with the checkpoint's tokenizer)."""
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "tokenizer.json"), "w") as f:
+            json.dump(_tokenizers_json(self.vocab), f, indent=1)
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": 512,
+            "pad_token": self.pad_token,
+            "eos_token": self.eos_token,
+            "unk_token": self.unk_token,
+            "clean_up_tokenization_spaces": False,
+        }
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+            json.dump(config, f, indent=1)
+        return out_dir
+
+
+def _tokenizers_json(vocab: dict[str, int]) -> dict:
+    """The ``tokenizers`` library's serialized form of a WordLevel tokenizer split on whitespace.
+
+    No decoder: ``tokenizers`` then joins tokens with single spaces, the inverse of the split."""
+    added = [
+        {"id": vocab[t], "content": t, "single_word": False, "lstrip": False, "rstrip": False}
+        | {"normalized": False, "special": True}
+        for t in SPECIAL_TOKENS
+    ]
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": None,
+        "decoder": None,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": SPECIAL_TOKENS[2]},
+    }
+
+
+class SyntheticTask:
+    """Problem generator, tokenizer and reward of one task kind."""
+
+    def __init__(self, kind: str = "copy", seed: int = 0, length: int = 3, alphabet: int = 8, eval_fraction=0.1):
+        if kind not in KINDS:
+            raise ValueError(f"unknown synthetic task kind {kind!r}; choose one of {list(KINDS)}")
+        if not 1 <= length <= 8:
+            raise ValueError(f"synthetic task length must be in [1, 8], got {length}")
+        if not 2 <= alphabet <= len(LETTERS):
+            raise ValueError(f"synthetic task alphabet must be in [2, {len(LETTERS)}], got {alphabet}")
+        self.kind, self.seed, self.length, self.alphabet = kind, seed, length, alphabet
+        self.eval_fraction = eval_fraction
+        self.tokenizer = SyntheticTokenizer()
+        self.reward_name = "synthetic"
+
+    @property
+    def max_answer_tokens(self) -> int:
+        return self.length + 1 if self.kind == "add" else self.length
+
+    def _problem(self, rng: random.Random) -> dict:
+        if self.kind == "count":
+            start = rng.randrange(10)
+            return {
+                "prompt": f"count {start} =",
+                "answer": " ".join(str((start + i) % 10) for i in range(1, self.length + 1)),
+            }
+        if self.kind == "add":
+            a, b = (rng.randrange(10**self.length) for _ in range(2))
+            digits = [f"{x:0{self.length}d}" for x in (a, b)]
+            prompt = f"add {' '.join(digits[0])} + {' '.join(digits[1])} ="
+            return {"prompt": prompt, "answer": " ".join(str(a + b))}
+        syms = [rng.choice(LETTERS[: self.alphabet]) for _ in range(self.length)]
+        out = {"copy": syms, "reverse": syms[::-1], "sort": sorted(syms)}[self.kind]
+        return {"prompt": f"{self.kind} {' '.join(syms)} =", "answer": " ".join(out)}
+
+    def is_eval(self, prompt: str) -> bool:
+        # A hash of the prompt, not of the seed: the split is the same for every seed and run.
+        h = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "little")
+        return h / 2**64 < self.eval_fraction
+
+    def sample(self, n: int, rng: random.Random | None = None, split: str = "train") -> list[dict]:
+        """``n`` problems ``{"prompt", "answer"}`` of ``split`` ("train" or "eval"); ``rng`` defaults to one
+        seeded by the task seed, so the same task gives the same problems."""
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        rng = rng if rng is not None else random.Random(self.seed)
+        out = []
+        for _ in range(1000 * n + 1000):  # rejection sampling; the eval split is a small slice
+            if len(out) == n:
+                return out
+            p = self._problem(rng)
+            if self.is_eval(p["prompt"]) == (split == "eval"):
+                out.append(p)
+        raise ValueError(f"the {self.kind} task of length {self.length} has too few {split} problems")
+
+    def train_set(self, n: int) -> list[dict]:
+        return self.sample(n, random.Random(f"{self.seed}/train"), "train")
+
+    def eval_set(self, n: int) -> list[dict]:
+        # Seeded apart from the train stream, and independent of the task seed: comparable across runs.
+        return self.sample(n, random.Random("eval"), "eval")
+
+    def reward(self, response: str, answer: str, prompt: str | None = None, **extra) -> float:
+        return synthetic_reward(response, answer, prompt)
+
+    def random_policy_reward(self, max_new_tokens: int, vocab_size: int | None = None, n: int = 2000) -> float:
+        """Monte Carlo mean reward of a policy drawing tokens uniformly from ``vocab_size`` ids (EOS
+        included) until EOS or ``max_new_tokens``: where an RL run from a random model starts."""
+        v = vocab_size or self.tokenizer.vocab_size
+        rng = random.Random(self.seed)
+        total = 0.0
+        for p in self.sample(n, rng):
+            ids = []
+            while len(ids) < max_new_tokens:
+                ids.append(rng.randrange(v))
+                if ids[-1] == self.tokenizer.eos_token_id:
+                    break
+            total += self.reward(self.tokenizer.decode(ids), p["answer"])
+        return total / n
+
+
+def synthetic_reward(response: str, answer: str, prompt: str | None = None, **extra) -> float:
+    """Fraction of answer positions the response gets right, over the longer of the two lengths,
+    so extra tokens cost as much as wrong ones: 1.0 only for the exact answer followed by EOS."""
+    got, want = response.split(), str(answer).split()
+    if not want:
+        return float(not got)
+    return sum(g == w for g, w in zip(got, want)) / max(len(want), len(got))

@@ -1,0 +1,1 @@
+"""The RL job: one controller driving Megatron role groups, rollout engines, rewards and weight sync."""

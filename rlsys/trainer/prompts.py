@@ -1,0 +1,69 @@
+"""Prompt stage: the next ``data.prompts_per_step`` prompts, tokenized, and the held-out eval prompts.
+
+``data.path`` unset means the built-in synthetic task (``rlsys.data.synthetic``): problems are drawn
+from a stream seeded per batch, so the position in the stream is one integer and resuming is exact.
+"""
+
+from __future__ import annotations
+
+import random
+
+from rlsys.config import DataConfig, ModelConfig
+
+
+class PromptSource:
+    def __init__(self, data: DataConfig, model: ModelConfig, seed: int):
+        self.cfg, self.seed, self.batches = data, seed, 0
+        self.batch_size = data.prompts_per_step
+        if data.path is None:
+            from rlsys.data.synthetic import SyntheticTask
+
+            self.task = SyntheticTask(data.synthetic_task, seed=seed, length=data.synthetic_length)
+            self.tokenizer = self.task.tokenizer
+            self.dataset = None
+        else:
+            from transformers import AutoTokenizer
+
+            from rlsys.data.dataset import PromptDataset
+            from rlsys.data.sampler import EpochSampler
+
+            if model.path is None:
+                raise ValueError("data.path needs model.path: prompts are tokenized with the model's tokenizer")
+            self.task = None
+            self.tokenizer = AutoTokenizer.from_pretrained(model.path)
+            self.dataset = PromptDataset.from_config(data, self.tokenizer, "train", seed)
+            self.eval_dataset = PromptDataset.from_config(data, self.tokenizer, "eval", seed)
+            self.sampler = EpochSampler(len(self.dataset), seed=seed, shuffle=data.shuffle)
+
+    def _tokenized(self, items: list[dict]) -> list[dict]:
+        return [dict(it, prompt_ids=self.tokenizer.encode(it["prompt"])) for it in items]
+
+    def next_batch(self) -> list[dict]:
+        """``{"prompt", "answer", "prompt_ids"}`` for the next ``prompts_per_step`` prompts."""
+        self.batches += 1
+        if self.task is not None:
+            rng = random.Random(f"{self.seed}/train/{self.batches}")
+            return self._tokenized(self.task.sample(self.batch_size, rng, "train"))
+        return [_item(self.dataset[i]) for i in self.sampler.next_batch(self.batch_size)]
+
+    def eval_items(self) -> list[dict]:
+        if self.task is not None:
+            return self._tokenized(self.task.eval_set(self.cfg.eval_prompts))
+        if self.eval_dataset is None:
+            return []
+        return [_item(self.eval_dataset[i]) for i in range(min(self.cfg.eval_prompts, len(self.eval_dataset)))]
+
+    def state_dict(self) -> dict:
+        state = {"batches": self.batches}
+        if self.dataset is not None:
+            state["sampler"] = self.sampler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches = state["batches"]
+        if self.dataset is not None:
+            self.sampler.load_state_dict(state["sampler"])
+
+
+def _item(prompt) -> dict:
+    return {"prompt": prompt.text, "answer": prompt.answer, "prompt_ids": list(prompt.ids)}

@@ -1,0 +1,66 @@
+"""What the loop needs before its first step: Ray, the initial HF model directory, each role's build spec."""
+
+from __future__ import annotations
+
+import os
+
+from rlsys.config import ClusterConfig, ModelConfig, RunConfig
+from rlsys.plan import role_world_sizes
+
+
+def start_ray(cluster: ClusterConfig) -> None:
+    """Connect to ``cluster.ray_address``, or start a local Ray instance for this machine."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if cluster.ray_address:
+        ray.init(address=cluster.ray_address, log_to_driver=True)
+    else:
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True)
+
+
+def prepare_model_dir(model: ModelConfig, out_dir: str, tokenizer, seed: int) -> str:
+    """The HF checkpoint both the trainer and the engines start from.
+
+    ``model.path`` as given; otherwise (``model.hf_config`` only) a freshly initialized model with
+    transformers' own init and the task's tokenizer, written once under ``out_dir/init_model``.
+    """
+    if model.path:
+        return model.path
+    target = os.path.join(out_dir, "init_model")
+    if os.path.exists(os.path.join(target, "config.json")):
+        return target  # a resumed run starts the engines from the same files
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(model.hf_config)
+    model_type = cfg.pop("model_type")
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg), dtype=torch.float32)
+    tmp = target + ".tmp"
+    hf.save_pretrained(tmp)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(tmp)
+    os.replace(tmp, target)
+    return target
+
+
+def role_spec(cfg: RunConfig, role: str, model_dir: str, total_steps: int) -> dict:
+    """Everything a rank of ``role`` needs to build its model (sent to every rank)."""
+    role_cfg = getattr(cfg, role)
+    world = role_world_sizes(cfg)[role]
+    threads = max(1, (os.cpu_count() or 1) // max(world, 1)) if cfg.cluster.device == "cpu" else 4
+    return {
+        "world": world,
+        "device": cfg.cluster.device,
+        "role_cfg": role_cfg,
+        "algo": cfg.algorithm,
+        "dtype": cfg.model.dtype,
+        "seed": cfg.trainer.seed,
+        "total_steps": total_steps,
+        "vocab_divisible_by": cfg.model.make_vocab_size_divisible_by,
+        "temperature": cfg.rollout.sampling.temperature or 1.0,
+        "hf_dir": model_dir,
+        "threads": threads,
+    }

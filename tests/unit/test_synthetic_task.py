@@ -1,0 +1,84 @@
+"""The built-in synthetic task: generator, tokenizer (and its HF form), reward and eval split."""
+
+import random
+
+import pytest
+
+from rlsys.data.synthetic import KINDS, VOCAB, SyntheticTask, SyntheticTokenizer, synthetic_reward
+from rlsys.rewards import get_reward_fn
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_generator_is_deterministic_and_correct(kind):
+    a, b = SyntheticTask(kind, seed=1), SyntheticTask(kind, seed=1)
+    assert a.train_set(50) == b.train_set(50)
+    assert a.train_set(50) != SyntheticTask(kind, seed=2).train_set(50)
+    assert a.sample(5, random.Random(0)) == b.sample(5, random.Random(0))
+    for p in a.train_set(50):
+        words = p["prompt"].split()
+        assert words[0] == kind and words[-1] == "="
+        args = words[1:-1]
+        expected = {
+            "count": lambda: [str((int(args[0]) + i) % 10) for i in range(1, a.length + 1)],
+            "copy": lambda: args,
+            "reverse": lambda: args[::-1],
+            "sort": lambda: sorted(args),
+            "add": lambda: list(str(int("".join(args[: a.length])) + int("".join(args[a.length + 1 :])))),
+        }[kind]()
+        assert p["answer"].split() == expected
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_eval_split_is_held_out_and_fixed(kind):
+    task = SyntheticTask(kind, seed=0)
+    train = {p["prompt"] for p in task.train_set(500)}
+    evals = task.eval_set(20)
+    assert evals == SyntheticTask(kind, seed=123).eval_set(20)  # the same for every run seed
+    assert all(task.is_eval(p["prompt"]) and p["prompt"] not in train for p in evals)
+
+
+def test_tokenizer_round_trip_and_special_tokens():
+    tok = SyntheticTokenizer()
+    text = "reverse c a f ="
+    ids = tok.encode(text)
+    assert len(ids) == 5 and tok.decode(ids) == text
+    assert tok.vocab_size == len(VOCAB) < 64
+    assert tok.decode(ids + [tok.eos_token_id, tok.pad_token_id]) == text
+    assert tok.decode([tok.eos_token_id], skip_special_tokens=False) == "<eos>"
+    assert tok.encode("copy zz =") == [tok.vocab["copy"], tok.unk_token_id, tok.vocab["="]]
+
+
+def test_saved_tokenizer_loads_in_transformers(tmp_path):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from rlsys.rollout.cpu_engine import _load_tokenizer
+
+    tok = SyntheticTokenizer()
+    path = tok.save_pretrained(str(tmp_path))
+    fast = PreTrainedTokenizerFast(tokenizer_file=f"{path}/tokenizer.json")
+    auto = AutoTokenizer.from_pretrained(path)
+    engine_tok = _load_tokenizer(path)  # what the CPU rollout engine decodes responses with
+    text = "add 1 2 + 3 4 ="
+    for hf in (fast, auto, engine_tok):
+        assert hf.encode(text, add_special_tokens=False) == tok.encode(text)
+        ids = tok.encode("4 6") + [tok.eos_token_id, tok.pad_token_id]
+        assert hf.decode(ids, skip_special_tokens=True) == "4 6"
+    assert (auto.eos_token_id, auto.pad_token_id, len(auto)) == (tok.eos_token_id, tok.pad_token_id, tok.vocab_size)
+
+
+def test_reward_gives_partial_credit_and_needs_the_stop():
+    assert synthetic_reward("a b c", "a b c") == 1.0
+    assert synthetic_reward("a x c", "a b c") == pytest.approx(2 / 3)
+    assert synthetic_reward("a b", "a b c") == pytest.approx(2 / 3)
+    assert synthetic_reward("a b c c c", "a b c") == pytest.approx(3 / 5)  # not stopping costs like errors
+    assert synthetic_reward("", "a b c") == 0.0 and synthetic_reward("c a b", "a b c") == 0.0
+    assert get_reward_fn("synthetic") is synthetic_reward
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_random_policy_scores_low_and_the_answer_scores_one(kind):
+    task = SyntheticTask(kind, seed=0)
+    for p in task.eval_set(20):
+        assert task.reward(p["answer"], p["answer"]) == 1.0
+    for max_new_tokens in (3, 5, 8):
+        assert task.random_policy_reward(max_new_tokens, n=500) < 0.1
