@@ -85,7 +85,7 @@ def test_resume_drops_later_lines_and_appends(tmp_path):
     lines = _lines(tmp_path)
     assert [line["step"] for line in lines] == [1, 2, 3, 4, 5]
     assert lines[2]["reward/mean"] == 3.0 and lines[3]["reward/mean"] == 40.0
-    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]  # no temporary file left behind
+    assert sorted(p for p in os.listdir(tmp_path) if p != "tensorboard") == ["metrics.jsonl"]  # no temp file left
     assert oct(os.stat(tmp_path / "metrics.jsonl").st_mode & 0o777) == oct(0o644 & ~_umask())
 
 
@@ -152,7 +152,7 @@ def test_enabled_but_not_installed_fails_at_startup(tmp_path, monkeypatch, field
 
 def test_wandb_disabled_needs_no_wandb(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
-    MetricsLogger(str(tmp_path), _cfg(wandb_project="p", wandb_mode="disabled")).close()
+    MetricsLogger(str(tmp_path), _cfg(wandb_project="p", wandb_mode="disabled", tensorboard=False)).close()
 
 
 @pytest.mark.slow  # two wandb service start-ups, ~5 s
