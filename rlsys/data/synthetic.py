@@ -1,24 +1,31 @@
 """A built-in verifiable task that needs no downloads: string manipulation with exact answers.
 
 The demo and the tests train a tiny random model with RL alone, so the task is built to be learnable
-from scratch within a few hundred steps: a word-level vocabulary of a few dozen tokens (a random
-policy hits a task token often enough to get some signal), short prompts and answers, and a reward
-with partial credit per answer position (dense), scaled down by extra tokens (so the policy must
-also learn to stop with EOS). A uniformly random policy scores about 0.02; the right answer scores 1.
+from scratch within a few hundred steps: a word-level vocabulary of 35 tokens (a random policy hits
+a task token often enough to get some signal), short prompts and answers, and a reward with partial
+credit per answer position (dense), scaled down by extra tokens (so the policy must also learn to
+stop with EOS). A uniformly random policy scores about 0.02; the right answer scores 1.
 
 Kinds (``L`` = ``length`` symbols drawn from the first ``alphabet`` letters):
-  copy     ``copy c a f =``     -> ``c a f``
-  reverse  ``reverse c a f =``  -> ``f a c``
-  sort     ``sort c a f =``     -> ``a c f``
+  copy     ``copy c a d =``     -> ``c a d``
+  reverse  ``reverse c a d =``  -> ``d a c``
+  sort     ``sort c a d =``     -> ``a c d``
   add      ``add 4 7 + 1 8 =``  -> ``6 5`` (two L-digit numbers; the sum's digits)
 
-A held-out eval split is a fixed set of problems that the train split never produces (chosen by a
-hash of the prompt), so eval scores measure generalization, not memorization.
+The defaults (copy, L=3, alphabet 4) are the measured-learnable setting: GRPO on a random 2-layer,
+64-wide Qwen2 (vocab 35, 8 prompts x 16 samples, lr 2e-3, entropy bonus 0.03, 5 new tokens) goes
+from 0.01 to above 0.8 in 90-100 steps on CPU. Longer strings, larger alphabets, reverse, sort and
+add are harder and need far more steps.
+
+The eval split is a fixed set of problems that the train split never produces, picked by a hash of
+the prompt, so eval scores measure generalization to unseen strings, not memorization.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -26,7 +33,8 @@ import random
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
 LETTERS = [chr(ord("a") + i) for i in range(16)]
 DIGITS = [str(d) for d in range(10)]
-KINDS = ("count", "copy", "reverse", "sort", "add")
+KINDS = ("copy", "reverse", "sort", "add")
+SMALL_SPACE = 100_000  # problem spaces up to this size are listed to pick the eval split
 VOCAB = SPECIAL_TOKENS + DIGITS + LETTERS + list(KINDS) + ["=", "+"]
 
 
@@ -94,10 +102,15 @@ def _tokenizers_json(vocab: dict[str, int]) -> dict:
     }
 
 
+def _hash(prompt: str) -> float:
+    """A uniform number in [0, 1) fixed by the prompt text."""
+    return int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "little") / 2**64
+
+
 class SyntheticTask:
     """Problem generator, tokenizer and reward of one task kind."""
 
-    def __init__(self, kind: str = "copy", seed: int = 0, length: int = 3, alphabet: int = 8, eval_fraction=0.1):
+    def __init__(self, kind: str = "copy", seed: int = 0, length: int = 3, alphabet: int = 4, eval_fraction=0.1):
         if kind not in KINDS:
             raise ValueError(f"unknown synthetic task kind {kind!r}; choose one of {list(KINDS)}")
         if not 1 <= length <= 8:
@@ -114,25 +127,38 @@ class SyntheticTask:
         return self.length + 1 if self.kind == "add" else self.length
 
     def _problem(self, rng: random.Random) -> dict:
-        if self.kind == "count":
-            start = rng.randrange(10)
-            return {
-                "prompt": f"count {start} =",
-                "answer": " ".join(str((start + i) % 10) for i in range(1, self.length + 1)),
-            }
         if self.kind == "add":
-            a, b = (rng.randrange(10**self.length) for _ in range(2))
-            digits = [f"{x:0{self.length}d}" for x in (a, b)]
-            prompt = f"add {' '.join(digits[0])} + {' '.join(digits[1])} ="
-            return {"prompt": prompt, "answer": " ".join(str(a + b))}
-        syms = [rng.choice(LETTERS[: self.alphabet]) for _ in range(self.length)]
+            return self._add(rng.randrange(10**self.length), rng.randrange(10**self.length))
+        return self._symbols([rng.choice(LETTERS[: self.alphabet]) for _ in range(self.length)])
+
+    def _add(self, a: int, b: int) -> dict:
+        digits = [" ".join(f"{x:0{self.length}d}") for x in (a, b)]
+        return {"prompt": f"add {digits[0]} + {digits[1]} =", "answer": " ".join(str(a + b))}
+
+    def _symbols(self, syms: list[str]) -> dict:
         out = {"copy": syms, "reverse": syms[::-1], "sort": sorted(syms)}[self.kind]
         return {"prompt": f"{self.kind} {' '.join(syms)} =", "answer": " ".join(out)}
 
+    @functools.cached_property
+    def _eval_prompts(self) -> frozenset | None:
+        """The eval prompts of a problem space small enough to list (at least one), else None: then a
+        hash threshold decides, and a space that large has plenty of eval problems anyway."""
+        if self.kind == "add":
+            if 100**self.length > SMALL_SPACE:
+                return None
+            prompts = [self._add(a, b)["prompt"] for a, b in itertools.product(range(10**self.length), repeat=2)]
+        else:
+            if self.alphabet**self.length > SMALL_SPACE:
+                return None
+            combos = itertools.product(LETTERS[: self.alphabet], repeat=self.length)
+            prompts = [self._symbols(list(c))["prompt"] for c in combos]
+        prompts = sorted(set(prompts), key=_hash)
+        return frozenset(prompts[: max(1, round(self.eval_fraction * len(prompts)))])
+
     def is_eval(self, prompt: str) -> bool:
-        # A hash of the prompt, not of the seed: the split is the same for every seed and run.
-        h = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "little")
-        return h / 2**64 < self.eval_fraction
+        # Decided by a hash of the prompt, not by the seed: the split is the same for every run.
+        listed = self._eval_prompts
+        return prompt in listed if listed is not None else _hash(prompt) < self.eval_fraction
 
     def sample(self, n: int, rng: random.Random | None = None, split: str = "train") -> list[dict]:
         """``n`` problems ``{"prompt", "answer"}`` of ``split`` ("train" or "eval"); ``rng`` defaults to one

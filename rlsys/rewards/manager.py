@@ -62,6 +62,8 @@ class RewardManager:
         self.name = reward_cfg.name
         self.spec = get_reward_spec(reward_cfg.name)  # resolves here: a bad name fails at startup
         executor = getattr(reward_cfg, "executor", "auto")
+        if executor not in ("auto", "thread", "process"):
+            raise ValueError(f"reward.executor must be 'auto', 'thread' or 'process', got {executor!r}")
         self.executor = self.spec.executor if executor == "auto" else executor
         self.kwargs = dict(getattr(reward_cfg, "kwargs", None) or {})
         self.timeout_s = float(reward_cfg.timeout_s)

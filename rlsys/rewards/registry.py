@@ -9,6 +9,8 @@ request at once.
 ``executor`` says where ``RewardManager`` runs it under ``reward.executor: auto``: "thread" for
 functions that are quick or wait on I/O or a subprocess, "process" for CPU-bound Python that would
 hold the GIL (sympy in math-verify) or may hang in code a thread cannot interrupt (user code).
+Process workers find the function again by name, so user code that should run there is named by its
+dotted path (``register_reward`` in the trainer process is not seen by a freshly spawned worker).
 """
 
 from __future__ import annotations

@@ -8,6 +8,12 @@ from rlsys.data.synthetic import KINDS, VOCAB, SyntheticTask, SyntheticTokenizer
 from rlsys.rewards import get_reward_fn
 
 
+def _solve(kind: str, args: list[str], length: int) -> list[str]:
+    if kind == "add":
+        return list(str(int("".join(args[:length])) + int("".join(args[length + 1 :]))))
+    return {"copy": args, "reverse": args[::-1], "sort": sorted(args)}[kind]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_generator_is_deterministic_and_correct(kind):
     a, b = SyntheticTask(kind, seed=1), SyntheticTask(kind, seed=1)
@@ -17,15 +23,7 @@ def test_generator_is_deterministic_and_correct(kind):
     for p in a.train_set(50):
         words = p["prompt"].split()
         assert words[0] == kind and words[-1] == "="
-        args = words[1:-1]
-        expected = {
-            "count": lambda: [str((int(args[0]) + i) % 10) for i in range(1, a.length + 1)],
-            "copy": lambda: args,
-            "reverse": lambda: args[::-1],
-            "sort": lambda: sorted(args),
-            "add": lambda: list(str(int("".join(args[: a.length])) + int("".join(args[a.length + 1 :])))),
-        }[kind]()
-        assert p["answer"].split() == expected
+        assert p["answer"].split() == _solve(kind, words[1:-1], a.length)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -35,6 +33,15 @@ def test_eval_split_is_held_out_and_fixed(kind):
     evals = task.eval_set(20)
     assert evals == SyntheticTask(kind, seed=123).eval_set(20)  # the same for every run seed
     assert all(task.is_eval(p["prompt"]) and p["prompt"] not in train for p in evals)
+
+
+@pytest.mark.parametrize("length,alphabet,n_eval", [(1, 4, 1), (3, 4, 6), (2, 16, 26)])
+def test_small_problem_spaces_still_have_an_eval_split(length, alphabet, n_eval):
+    task = SyntheticTask("copy", length=length, alphabet=alphabet)
+    assert len({p["prompt"] for p in task.eval_set(200)}) == n_eval  # round(10%) of the space, at least 1
+    assert len({p["prompt"] for p in task.train_set(2000)}) == alphabet**length - n_eval
+    big = SyntheticTask("add", length=3)  # 10^6 problems: a hash threshold instead of a list
+    assert big.eval_set(5) and all(big.is_eval(p["prompt"]) for p in big.eval_set(5))
 
 
 def test_tokenizer_round_trip_and_special_tokens():
