@@ -173,7 +173,8 @@ class PromptDataset:
 def synthetic_records(data_cfg, split: str, seed: int) -> list[dict]:
     from rlsys.data.synthetic import SyntheticTask
 
-    task = SyntheticTask(getattr(data_cfg, "synthetic_kind", "copy"), seed=seed)
+    kind, length = getattr(data_cfg, "synthetic_task", "copy"), getattr(data_cfg, "synthetic_length", 3)
+    task = SyntheticTask(kind, seed=seed, length=length)
     if split == "train":
         return task.train_set(getattr(data_cfg, "synthetic_size", 4096))
-    return task.eval_set(getattr(data_cfg, "eval_size", 64))
+    return task.eval_set(getattr(data_cfg, "eval_prompts", 64))
