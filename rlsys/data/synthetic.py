@@ -2,9 +2,9 @@
 
 The demo and the tests train a tiny random model with RL alone, so the task is built to be learnable
 from scratch within a few hundred steps: a word-level vocabulary of 35 tokens (a random policy hits
-a task token often enough to get some signal), short prompts and answers, and a reward with partial
-credit per answer position (dense), scaled down by extra tokens (so the policy must also learn to
-stop with EOS). A uniformly random policy scores about 0.02; the right answer scores 1.
+a task token often enough to get some signal), short prompts and answers, and a dense reward with
+partial credit (see ``synthetic_reward``) that also needs the stop (EOS). A uniformly random policy
+scores about 0.04; the right answer scores 1.
 
 Kinds (``L`` = ``length`` symbols drawn from the first ``alphabet`` letters):
   copy     ``copy c a d =``     -> ``c a d``
@@ -12,10 +12,11 @@ Kinds (``L`` = ``length`` symbols drawn from the first ``alphabet`` letters):
   sort     ``sort c a d =``     -> ``a c d``
   add      ``add 4 7 + 1 8 =``  -> ``6 5`` (two L-digit numbers; the sum's digits)
 
-The defaults (copy, L=3, alphabet 4) are the measured-learnable setting: GRPO on a random 2-layer,
-64-wide Qwen2 (vocab 35, 8 prompts x 16 samples, lr 2e-3, entropy bonus 0.03, 5 new tokens) goes
-from 0.01 to above 0.8 in 90-100 steps on CPU. Longer strings, larger alphabets, reverse, sort and
-add are harder and need far more steps.
+The defaults (copy, L=3, alphabet 4) are the measured-learnable setting: plain GRPO on a random
+2-layer, 64-wide Qwen2 (vocab 35, 8 prompts x 8-16 samples, 5 new tokens, Adam lr 2e-3, entropy
+bonus 0.03) climbed from 0.02-0.06 to above 0.8 within 80-150 steps for each of 10 seeds on CPU,
+and solved held-out strings greedily. Longer strings, larger alphabets, reverse, sort and add are
+harder and need far more steps.
 
 The eval split is a fixed set of problems that the train split never produces, picked by a hash of
 the prompt, so eval scores measure generalization to unseen strings, not memorization.
@@ -29,8 +30,10 @@ import itertools
 import json
 import os
 import random
+from collections import Counter
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
+SKIPPED_TOKENS = ("<pad>", "<eos>")  # what decode(skip_special_tokens=True) drops
 LETTERS = [chr(ord("a") + i) for i in range(16)]
 DIGITS = [str(d) for d in range(10)]
 KINDS = ("copy", "reverse", "sort", "add")
@@ -58,8 +61,10 @@ class SyntheticTokenizer:
         return [self.vocab.get(tok, self.unk_token_id) for tok in text.split()]
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        # <unk> (and ids past the vocab, from a model with a padded vocab) stay in the text: hidden,
+        # they would let "a <unk> b c" score as "a b c".
         toks = [VOCAB[i] if 0 <= i < len(VOCAB) else self.unk_token for i in ids]
-        return " ".join(t for t in toks if not (skip_special_tokens and t in SPECIAL_TOKENS))
+        return " ".join(t for t in toks if not (skip_special_tokens and t in SKIPPED_TOKENS))
 
     def save_pretrained(self, out_dir: str) -> str:
         """Write ``tokenizer.json`` + ``tokenizer_config.json``, loadable by ``AutoTokenizer`` (and thus by
@@ -72,7 +77,6 @@ class SyntheticTokenizer:
             "model_max_length": 512,
             "pad_token": self.pad_token,
             "eos_token": self.eos_token,
-            "unk_token": self.unk_token,
             "clean_up_tokenization_spaces": False,
         }
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
@@ -83,11 +87,12 @@ class SyntheticTokenizer:
 def _tokenizers_json(vocab: dict[str, int]) -> dict:
     """The ``tokenizers`` library's serialized form of a WordLevel tokenizer split on whitespace.
 
-    No decoder: ``tokenizers`` then joins tokens with single spaces, the inverse of the split."""
+    No decoder: ``tokenizers`` then joins tokens with single spaces, the inverse of the split. ``<unk>``
+    is a plain vocab word to transformers (not its unk_token), so decoding keeps it, as ours does."""
     added = [
         {"id": vocab[t], "content": t, "single_word": False, "lstrip": False, "rstrip": False}
         | {"normalized": False, "special": True}
-        for t in SPECIAL_TOKENS
+        for t in SKIPPED_TOKENS
     ]
     return {
         "version": "1.0",
@@ -182,8 +187,8 @@ class SyntheticTask:
         # Seeded apart from the train stream, and independent of the task seed: comparable across runs.
         return self.sample(n, random.Random("eval"), "eval")
 
-    def reward(self, response: str, answer: str, prompt: str | None = None, **extra) -> float:
-        return synthetic_reward(response, answer, prompt)
+    def reward(self, response: str, answer: str, prompt: str | None = None, **kwargs) -> float:
+        return synthetic_reward(response, answer, prompt, **kwargs)
 
     def random_policy_reward(self, max_new_tokens: int, vocab_size: int | None = None, n: int = 2000) -> float:
         """Monte Carlo mean reward of a policy drawing tokens uniformly from ``vocab_size`` ids (EOS
@@ -201,10 +206,18 @@ class SyntheticTask:
         return total / n
 
 
-def synthetic_reward(response: str, answer: str, prompt: str | None = None, **extra) -> float:
-    """Fraction of answer positions the response gets right, over the longer of the two lengths,
-    so extra tokens cost as much as wrong ones: 1.0 only for the exact answer followed by EOS."""
+def synthetic_reward(response: str, answer: str, prompt: str | None = None, bag_weight: float = 0.5, **extra):
+    """Partial credit, 1.0 only for the exact answer followed by EOS.
+
+    Two parts, each counted over the longer of response and answer (extra tokens cost as much as
+    wrong ones): the fraction of positions right, and the fraction of answer symbols present in any
+    order (``bag_weight``). The order-free part matters for learning from scratch: without it a policy
+    that early on stops emitting one symbol never gets rewarded for it again and plateaus near 0.75
+    (measured); with it, every seed tried reached 0.8."""
     got, want = response.split(), str(answer).split()
     if not want:
         return float(not got)
-    return sum(g == w for g, w in zip(got, want)) / max(len(want), len(got))
+    longest = max(len(want), len(got))
+    in_place = sum(g == w for g, w in zip(got, want)) / longest
+    anywhere = sum((Counter(got) & Counter(want)).values()) / longest
+    return (1 - bag_weight) * in_place + bag_weight * anywhere

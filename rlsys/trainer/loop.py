@@ -204,7 +204,7 @@ def _rollout_and_reward(cfg: RunConfig, engines, prompts: PromptSource, rewards,
             params = rollout.sampling_params(sampling, stop_ids, seed=seed)
             samples = rollout.generate(engines, [it["prompt_ids"] for it in items], params)
         with t("reward"):
-            texts = [prompts.tokenizer.decode(s.output_ids) for s in samples]
+            texts = [prompts.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in samples]
             answers = [items[s.prompt_index]["answer"] for s in samples]
             questions = [items[s.prompt_index]["prompt"] for s in samples]
             result = rewards.score(texts, answers, questions)
@@ -260,7 +260,7 @@ def _evaluate(engines, prompts: PromptSource, rewards, sampling, stop_ids) -> di
     samples = rollout.generate(
         engines, [it["prompt_ids"] for it in items], rollout.sampling_params(sampling, stop_ids, greedy=True)
     )
-    texts = [prompts.tokenizer.decode(s.output_ids) for s in samples]
+    texts = [prompts.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in samples]
     scores = rewards.score(
         texts, [items[s.prompt_index]["answer"] for s in samples], [items[s.prompt_index]["prompt"] for s in samples]
     ).scores

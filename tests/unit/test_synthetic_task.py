@@ -53,6 +53,7 @@ def test_tokenizer_round_trip_and_special_tokens():
     assert tok.decode(ids + [tok.eos_token_id, tok.pad_token_id]) == text
     assert tok.decode([tok.eos_token_id], skip_special_tokens=False) == "<eos>"
     assert tok.encode("copy zz =") == [tok.vocab["copy"], tok.unk_token_id, tok.vocab["="]]
+    assert tok.decode([tok.vocab["a"], tok.unk_token_id, len(VOCAB) + 3]) == "a <unk> <unk>"  # wrong, not hidden
 
 
 def test_saved_tokenizer_loads_in_transformers(tmp_path):
@@ -70,6 +71,8 @@ def test_saved_tokenizer_loads_in_transformers(tmp_path):
         assert hf.encode(text, add_special_tokens=False) == tok.encode(text)
         ids = tok.encode("4 6") + [tok.eos_token_id, tok.pad_token_id]
         assert hf.decode(ids, skip_special_tokens=True) == "4 6"
+        assert hf.decode(tok.encode("a zz b"), skip_special_tokens=True) == "a <unk> b"
+        assert hf.encode("a zz", add_special_tokens=False) == tok.encode("a zz")
     assert (auto.eos_token_id, auto.pad_token_id, len(auto)) == (tok.eos_token_id, tok.pad_token_id, tok.vocab_size)
 
 
@@ -78,7 +81,10 @@ def test_reward_gives_partial_credit_and_needs_the_stop():
     assert synthetic_reward("a x c", "a b c") == pytest.approx(2 / 3)
     assert synthetic_reward("a b", "a b c") == pytest.approx(2 / 3)
     assert synthetic_reward("a b c c c", "a b c") == pytest.approx(3 / 5)  # not stopping costs like errors
-    assert synthetic_reward("", "a b c") == 0.0 and synthetic_reward("c a b", "a b c") == 0.0
+    assert synthetic_reward("c a b", "a b c") == pytest.approx(0.5)  # right symbols, wrong places: half
+    assert synthetic_reward("c a b", "a b c", bag_weight=0.0) == 0.0  # strict: positions only
+    assert synthetic_reward("b b b", "a b a") == pytest.approx(0.5 * 1 / 3 + 0.5 * 1 / 3)  # "b" counted once
+    assert synthetic_reward("", "a b c") == 0.0 and synthetic_reward("x y z", "a b c") == 0.0
     assert get_reward_fn("synthetic") is synthetic_reward
 
 
