@@ -18,7 +18,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -27,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import requests
 
+from rlsys.local_ranks import free_port
 from rlsys.rollout import protocol
 from rlsys.rollout.client import EngineClient, EngineError
 from rlsys.rollout.protocol import GenerateOutput
@@ -166,14 +166,6 @@ class ServerProcess:
 def _signal_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now (another process may take it before it is used: fine for tests and
-    single-user nodes)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def sglang_command(

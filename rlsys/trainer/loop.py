@@ -246,7 +246,7 @@ def _step_metrics(step, scores, batch, mask, old, ref_logp, old_logp, mm, kl_ctl
         "rollout/logprob_diff_max": float(mm["mismatch/logp_diff_max"]),
         "rollout/k3_kl": float(mm["mismatch/k3_kl"]),
     }
-    metrics.update({k: float(v) for k, v in mm.items() if k.startswith("mismatch/") and k not in ()})
+    metrics.update({k: float(v) for k, v in mm.items() if k.startswith("mismatch/")})
     metrics.update(t)
     metrics["throughput/tokens_per_s"] = float(sum(batch.lengths)) / max(t["time/step_s"], 1e-9)
     return metrics
