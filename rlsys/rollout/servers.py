@@ -8,6 +8,9 @@ servers already running; either way it only talks HTTP (``rlsys.rollout.client``
 Each server runs in its own process group: SGLang forks one scheduler process per TP rank (plus
 detokenizer and tokenizer workers), and stopping the group is the only way to be sure none survives
 the server, in particular when the server itself was SIGKILLed and could not clean up.
+
+On a Ray cluster a server runs on the node of its devices: an ``EngineHost`` actor placed there owns the
+``ServerProcess``, and a ``RemoteServer`` in the controller forwards ``ServerProcess``'s interface to it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -166,6 +170,200 @@ class ServerProcess:
 def _signal_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+# ------------------------------------------------------------ servers on other nodes (Ray)
+
+# Stops a server's process group once the EngineHost that started it is gone (Ray kills actors with
+# SIGKILL, e.g. when the controller exits): the group is its own session and would outlive the host,
+# holding its GPUs. Exits when the group is gone. argv: host pid, group id, grace seconds.
+_WATCHDOG = r"""
+import os, signal, sys, time
+host, group, grace = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+def group_exists():
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+while group_exists():
+    if os.getppid() != host:
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 0)):
+            try:
+                os.killpg(group, sig)
+            except (ProcessLookupError, PermissionError):
+                break
+            deadline = time.monotonic() + wait
+            while group_exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        break
+    time.sleep(1)
+"""
+
+
+class EngineHost:
+    """Runs one ``ServerProcess`` on the node Ray placed it on; a Ray actor, driven by ``RemoteServer``.
+
+    ``command(host, port)`` builds the server's command line here, with this node's IP and a port that is
+    free here. Run it with the placement's options (``rlsys.trainer.placement``).
+    """
+
+    def __init__(
+        self,
+        command: Callable[[str, int], Sequence],
+        *,
+        env: dict[str, str] | None = None,
+        log_file: str | None = None,
+        name: str | None = None,
+    ):
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        port = free_port(host)
+        self.server = ServerProcess(command(host, port), f"http://{host}:{port}", env=env, log_file=log_file, name=name)
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self._watchdog: subprocess.Popen | None = None
+
+    def info(self) -> dict:
+        return {"url": self.server.url, "node_id": self.node_id}
+
+    def start(self) -> None:
+        self.server.start()
+        if self._watchdog is not None:
+            self._watchdog.poll()  # reap the last server's watchdog
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(self.server.pid), str(self.server.stop_grace_s)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def stop(self, grace_s: float | None = None) -> None:
+        self.server.stop(grace_s)
+
+    def restart(self, timeout_s: float | None = None) -> None:
+        self.stop()
+        self.start()
+        if timeout_s is not None:
+            self.server.wait_healthy(timeout_s)
+
+    def alive(self) -> bool:
+        return self.server.alive()
+
+    def healthy(self, timeout_s: float = 5.0) -> bool:
+        return self.server.healthy(timeout_s)
+
+    def wait_healthy(self, timeout_s: float = 600.0, poll_s: float = 0.5) -> None:
+        self.server.wait_healthy(timeout_s, poll_s)
+
+    def pid(self) -> int | None:
+        return self.server.pid
+
+    def starts(self) -> int:
+        return self.server.starts
+
+
+class RemoteServer:
+    """``ServerProcess``'s interface for a server that an ``EngineHost`` actor runs on its own node, so
+    that ``EnginePool`` starts, probes and restarts it as it does a local one.
+
+    ``options`` are the host actor's Ray ``.options`` (its placement). The actor is created at once; the
+    server starts with ``start``. A host actor that died reads as a dead server (``alive`` is False) and
+    makes ``start``, ``restart`` and ``wait_healthy`` raise ``ServerError``: its watchdog has stopped
+    the server, and a new host would serve at another URL.
+    """
+
+    def __init__(
+        self,
+        command: Callable[[str, int], Sequence],
+        *,
+        options: dict,
+        env: dict[str, str] | None = None,
+        log_file: str | None = None,
+        name: str | None = None,
+    ):
+        import ray
+
+        self.name = name or "remote server"
+        self.actor = ray.remote(EngineHost).options(**options).remote(command, env=env, log_file=log_file, name=name)
+        self._info: dict | None = None
+
+    def __repr__(self) -> str:
+        return f"RemoteServer({self.name!r}, url={(self._info or {}).get('url')!r})"
+
+    def _call(self, method: str, *args):
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            return ray.get(getattr(self.actor, method).remote(*args))
+        except RayTaskError as e:
+            if isinstance(e.cause, ServerError):
+                raise ServerError(str(e.cause)) from None  # the host's own message, without Ray's wrapping
+            raise
+        except RayActorError as e:
+            raise ServerError(f"{self.name}: its host actor is gone: {e}") from e
+
+    def _host_info(self) -> dict:
+        if self._info is None:  # the first call waits for the actor to be placed and built
+            self._info = self._call("info")
+        return self._info
+
+    @property
+    def url(self) -> str:
+        return self._host_info()["url"]
+
+    @property
+    def node_id(self) -> str:
+        """Ray's id of the node the server runs on."""
+        return self._host_info()["node_id"]
+
+    @property
+    def pid(self) -> int | None:
+        """The server's pid on its own node."""
+        try:
+            return self._call("pid")
+        except ServerError:
+            return None
+
+    @property
+    def starts(self) -> int:
+        return self._call("starts")
+
+    def start(self) -> None:
+        self._call("start")
+
+    def alive(self) -> bool:
+        try:
+            return self._call("alive")
+        except ServerError:
+            return False
+
+    def healthy(self, timeout_s: float = 5.0) -> bool:
+        try:
+            return self._call("healthy", timeout_s)
+        except ServerError:
+            return False
+
+    def wait_healthy(self, timeout_s: float = 600.0, poll_s: float = 0.5) -> None:
+        self._call("wait_healthy", timeout_s, poll_s)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        with contextlib.suppress(ServerError):  # a host that is gone took its server along (watchdog)
+            self._call("stop", grace_s)
+
+    def restart(self, timeout_s: float | None = None) -> None:
+        self._call("restart", timeout_s)
+
+    def close(self) -> None:
+        """Stop the server and end its host actor."""
+        import ray
+
+        self.stop()
+        ray.kill(self.actor)
 
 
 def sglang_command(
@@ -534,11 +732,25 @@ def launch_sglang_pool(
         use_router = num_engines > 1 and sglang_router_available(python)
     router = None
     if use_router:
-        port = free_port(host)
-        command = router_command([s.url for s in servers], port, python=python, host=host, policy=router_policy)
         log_file = os.path.join(log_dir, "sglang_router.log") if log_dir else None
-        router = ServerProcess(command, f"http://{host}:{port}", env=env, log_file=log_file, name="sglang-router")
+        urls = [s.url for s in servers]
+        router = sglang_router(urls, python=python, host=host, policy=router_policy, env=env, log_file=log_file)
     return EnginePool.launch(servers, router=router, **pool_kwargs)
+
+
+def sglang_router(
+    worker_urls: Sequence[str],
+    *,
+    python: str = "python3",
+    host: str = "127.0.0.1",
+    policy: str = "cache_aware",
+    env: dict[str, str] | None = None,
+    log_file: str | None = None,
+) -> ServerProcess:
+    """An sgl-router process (not started) in front of ``worker_urls``, on a free port of ``host``."""
+    port = free_port(host)
+    command = router_command(worker_urls, port, python=python, host=host, policy=policy)
+    return ServerProcess(command, f"http://{host}:{port}", env=env, log_file=log_file, name="sglang-router")
 
 
 def _all(executor: ThreadPoolExecutor, calls: Sequence[Callable], catch: bool = False) -> list:

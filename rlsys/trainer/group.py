@@ -8,28 +8,27 @@ that hold them (last pipeline stage, TP rank 0).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rlsys.trainer.rank import RankWorker
 from rlsys.training.batch import TrainBatch
 from rlsys.training.dispatch import dp_shards, merge_shards
 
+if TYPE_CHECKING:
+    from rlsys.trainer.placement import Placement
+
 
 class RoleGroup:
-    def __init__(self, role: str, world: int, spec: dict, use_ray: bool = True, placement=None):
+    """``placement``: where each rank's actor runs (``Placement.rank_options``); without one, Ray puts
+    the ranks anywhere with a whole GPU (cuda) or no resources (cpu)."""
+
+    def __init__(self, role: str, world: int, spec: dict, use_ray: bool = True, placement: Placement | None = None):
         self.role, self.world, self.use_ray = role, world, use_ray
         if use_ray:
             import ray
 
-            device = spec["device"]
-            resources = {"num_gpus": 1} if device == "cuda" else {"num_cpus": 0}
             remote = ray.remote(RankWorker)
-            self.ranks = [
-                remote.options(
-                    **resources,
-                    **({"scheduling_strategy": placement(i)} if placement else {}),
-                    runtime_env={"env_vars": {"OMP_NUM_THREADS": str(spec.get("threads", 1))}},
-                ).remote()
-                for i in range(world)
-            ]
+            self.ranks = [remote.options(**self._rank_options(r, spec, placement)).remote() for r in range(world)]
             master = ray.get(self.ranks[0].address.remote())
         else:
             if world != 1:
@@ -38,6 +37,15 @@ class RoleGroup:
             master = self.ranks[0].address()
         self.infos = self._all("init", *[(role, r, world, master, spec) for r in range(world)])
         self.dp = self.infos[0]["dp"]
+
+    def _rank_options(self, rank: int, spec: dict, placement: Placement | None) -> dict:
+        env = {"OMP_NUM_THREADS": str(spec.get("threads", 1))}
+        if placement is None:
+            options = {"num_gpus": 1} if spec["device"] == "cuda" else {"num_cpus": 0}
+        else:
+            options = placement.rank_options(self.role, rank)
+            env.update(options.get("runtime_env", {}).get("env_vars", {}))
+        return {**options, "runtime_env": {"env_vars": env}}
 
     # -- calling ranks --------------------------------------------------------------------------
 
