@@ -34,7 +34,8 @@ def _cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     validate_layout(cfg, model_arch(cfg.model))
-    history = train(cfg, use_ray=not args.no_ray)
+    mode = "rollout" if args.rollout_only else "train" if args.train_only is not None else "full"
+    history = train(cfg, use_ray=not args.no_ray, mode=mode, replay_dir=args.train_only or None)
     if history:
         last = history[-1]
         print(f"done: {len(history)} steps, reward/mean {last['reward/mean']:.3f}, output in {cfg.trainer.output_dir}")
@@ -126,6 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("config")
     tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=10")
     tr.add_argument("--no-ray", action="store_true", help="run one-rank roles in this process (for a debugger)")
+    only = tr.add_mutually_exclusive_group()
+    only.add_argument(
+        "--rollout-only", action="store_true", help="generate and score only; save each step's batch to OUTPUT/rollouts"
+    )
+    only.add_argument(
+        "--train-only",
+        nargs="?",
+        const="",
+        metavar="DIR",
+        help="no engines: train on saved batches (default OUTPUT/rollouts, from --rollout-only)",
+    )
     tr.set_defaults(func=_cmd_train)
 
     pl = sub.add_parser("plot", help="draw reward, length, KL and step-time curves of a run as a PNG")

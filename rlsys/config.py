@@ -138,6 +138,9 @@ class RolloutConfig:
     urls: list[str] = field(default_factory=list)  # attach to running servers instead of launching engines
     sglang_python: str = "python3"  # interpreter of SGLang's own environment (it pins its own torch)
     weight_dtype: Literal["auto", "fp8"] = "auto"  # fp8: block-quantized linear weights (engines serve an FP8 copy)
+    # Colocated only: engines free their weights and KV cache while the trainer computes (SGLang
+    # --enable-memory-saver); the next weight sync writes the weights back.
+    release_memory: bool = False
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
 
@@ -193,6 +196,7 @@ class AlgorithmConfig:
     adv_eps: float = 1e-6  # added to the group std
     reinforce_baseline: bool = False  # reinforce_pp: subtract the group mean first (REINFORCE++-baseline)
     value_clip: float | None = 0.2  # ppo critic: clip of the value change; None = off
+    critic_warmup_steps: int = 0  # ppo: first steps train only the critic (VAPO value pretraining)
     ppo_epochs: int = 1  # passes over each rollout batch
     mini_batches_per_step: int = 1  # optimizer steps per pass; 1 = strictly on-policy
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
@@ -391,6 +395,7 @@ def _check_algorithm(a: AlgorithmConfig) -> None:
     _need(a.lam_alpha is None or a.lam_alpha > 0, "algorithm.lam_alpha", a.lam_alpha, "must be > 0 (or null)")
     _need(a.adv_eps >= 0, "algorithm.adv_eps", a.adv_eps, "must be >= 0")
     _need(a.value_clip is None or a.value_clip > 0, "algorithm.value_clip", a.value_clip, "must be > 0 (or null)")
+    _need(a.critic_warmup_steps >= 0, "algorithm.critic_warmup_steps", a.critic_warmup_steps, "must be >= 0")
     m = a.mismatch
     _need(m.cap > 0, "algorithm.mismatch.cap", m.cap, "must be > 0")
     _need(
@@ -431,6 +436,15 @@ def _check_cross_section(cfg: RunConfig) -> None:
         )
     if a.name == "ppo":
         _need(cfg.critic.enabled, "critic.enabled", False, "algorithm 'ppo' needs a critic (GAE)")
+    if a.critic_warmup_steps:
+        _need(cfg.critic.enabled, "algorithm.critic_warmup_steps", a.critic_warmup_steps, "needs critic.enabled: true")
+    if cfg.rollout.release_memory:
+        _need(
+            cfg.cluster.colocate and not cfg.rollout.urls,
+            "rollout.release_memory",
+            True,
+            "only for engines rlsys launches on the training devices (cluster.colocate: true, no rollout.urls)",
+        )
     if a.name in GROUP_ALGORITHMS:
         n = cfg.rollout.sampling.n
         _need(n >= 2, "rollout.sampling.n", n, f"'{a.name}' compares samples of one prompt: needs n >= 2")

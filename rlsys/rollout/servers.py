@@ -532,12 +532,17 @@ class EnginePool:
             healthy = max(1, len(self.clients) - len(self.down))
             size = min(self.prompts_per_request, math.ceil(len(prompts) / healthy))
             chunks = [(s, prompts[s : s + size]) for s in range(0, len(prompts), size)]
+        seed, n = sampling.get("sampling_seed"), int(sampling.get("n", 1))
+        # a request seeds sample j of its prompt i with seed + i * n + j (the CPU engine; SGLang differs, see
+        # SamplingConfig.reproducible): offsetting by the chunk's first prompt keeps every sample's stream
+        # distinct and independent of how prompts are split into requests
+        params = [sampling if seed is None else dict(sampling, sampling_seed=seed + start * n) for start, _ in chunks]
         results: dict[int, list[GenerateOutput]] = {}
         pending = list(range(len(chunks)))
         for attempt in range(self.max_retries + 1):
             futures = {}
             for c, target in zip(pending, self._targets(len(pending))):
-                future = self._executor.submit(target.generate, chunks[c][1], sampling, timeout_s=timeout_s)
+                future = self._executor.submit(target.generate, chunks[c][1], params[c], timeout_s=timeout_s)
                 futures[future] = (c, target)
             failed: list[EngineError] = []
             pending = []

@@ -18,15 +18,21 @@ from rlsys.algorithms import (
     AdaptiveKLController,
     DynamicSampler,
     FixedKLController,
+    masked_mean,
     mismatch_metrics,
     mismatch_weights,
     overlong_penalty,
 )
+from rlsys.algorithms import kl as kl_estimate
 from rlsys.config import RunConfig, config_to_dict
 from rlsys.trainer import rollout
 from rlsys.trainer.advantage import compute_advantages
+from rlsys.trainer.colocation import Turns
 from rlsys.trainer.group import RoleGroup
+from rlsys.trainer.placement import Placement
 from rlsys.trainer.prompts import PromptSource
+from rlsys.trainer.replay import load_rollout, rollout_dir, save_rollout, saved_steps
+from rlsys.trainer.rollout import RolloutBatch
 from rlsys.trainer.setup import prepare_model_dir, role_spec, start_ray
 from rlsys.training.batch import TrainBatch, pad_rows, unpad_rows
 
@@ -39,37 +45,58 @@ class Timer(dict):
         self[f"time/{phase}_s"] = self.get(f"time/{phase}_s", 0.0) + time.perf_counter() - start
 
 
-def train(cfg: RunConfig, use_ray: bool = True) -> list[dict]:
-    """Run ``cfg.trainer.steps`` RL steps; returns the metrics of every step run."""
+def train(cfg: RunConfig, use_ray: bool = True, mode: str = "full", replay_dir: str | None = None) -> list[dict]:
+    """Run ``cfg.trainer.steps`` RL steps; returns the metrics of every step run.
+
+    ``mode="rollout"``: engines only; every step's scored batch is saved under ``output_dir/rollouts``.
+    ``mode="train"``: Megatron roles only; the steps replay the batches saved in ``replay_dir``.
+    """
+    if mode not in ("full", "rollout", "train"):
+        raise ValueError(f"mode must be 'full', 'rollout' or 'train', got {mode!r}")
+    out_dir = cfg.trainer.output_dir
+    os.makedirs(out_dir, exist_ok=True)
+    replay = saved_steps(replay_dir or rollout_dir(out_dir)) if mode == "train" else None
+    last_step = min(cfg.trainer.steps, len(replay)) if replay else cfg.trainer.steps
+    prompts = PromptSource(cfg.data, cfg.model, seed=cfg.trainer.seed)
+    model_dir = prepare_model_dir(cfg.model, out_dir, prompts.tokenizer, cfg.trainer.seed)
+    placement = None
+    if use_ray:  # one placement group: every rank and engine on its device (rlsys.trainer.placement)
+        start_ray(cfg.cluster)
+        placement = Placement.create(cfg)
+    try:
+        return _run(cfg, mode, replay, last_step, prompts, model_dir, use_ray, placement)
+    finally:
+        if placement is not None:  # a failed run must not keep the devices from the next one
+            placement.close()
+
+
+def _run(cfg: RunConfig, mode: str, replay, last_step: int, prompts, model_dir: str, use_ray: bool, placement):
+    """The run itself: roles and engines, resume, the steps, the end."""
     from rlsys.logging.metrics import MetricsLogger
     from rlsys.logging.progress import ProgressReporter
     from rlsys.rewards.manager import RewardManager
     from rlsys.training.checkpoint import latest_checkpoint
 
-    out_dir, algo, sampling = cfg.trainer.output_dir, cfg.algorithm, cfg.rollout.sampling
-    os.makedirs(out_dir, exist_ok=True)
-    prompts = PromptSource(cfg.data, cfg.model, seed=cfg.trainer.seed)
-    model_dir = prepare_model_dir(cfg.model, out_dir, prompts.tokenizer, cfg.trainer.seed)
-    if use_ray:
-        start_ray(cfg.cluster)
+    out_dir, algo = cfg.trainer.output_dir, cfg.algorithm
 
     # -- engines and Megatron roles ---------------------------------------------------------------
-    engines = rollout.start_engines(cfg.rollout, model_dir, cfg.model.dtype, cfg.trainer.seed, f"{out_dir}/logs")
+    engines = None
+    if mode != "train":
+        engines = rollout.start_engines(
+            cfg.rollout, model_dir, cfg.model.dtype, cfg.trainer.seed, f"{out_dir}/logs", placement=placement
+        )
     total_steps = cfg.trainer.steps * algo.ppo_epochs * algo.mini_batches_per_step
     groups = {}
-    for role in ("actor", "ref", "critic"):
+    for role in ("actor", "ref", "critic") if mode != "rollout" else ():
         if role == "actor" or getattr(cfg, role).enabled:
             spec = role_spec(cfg, role, model_dir, total_steps)
-            groups[role] = RoleGroup(role, spec["world"], spec, use_ray=use_ray)
-    actor, ref, critic = groups["actor"], groups.get("ref"), groups.get("critic")
-    actor.setup_sync(
-        engines.urls,
-        [cfg.rollout.tp] * len(engines.urls),
-        cfg.rollout.sync,
-        cfg.cluster.device,
-        cfg.rollout.weight_dtype,
-    )
-    rewards = RewardManager(cfg.reward)
+            groups[role] = RoleGroup(role, spec["world"], spec, use_ray=use_ray, placement=placement)
+    actor, critic = groups.get("actor"), groups.get("critic")
+    syncing = actor is not None and engines is not None
+    if syncing:
+        urls, sync_cfg = engines.urls, cfg.rollout.sync
+        actor.setup_sync(urls, [cfg.rollout.tp] * len(urls), sync_cfg, cfg.cluster.device, cfg.rollout.weight_dtype)
+    rewards = RewardManager(cfg.reward) if replay is None else None
     kl_ctl = (
         AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
         if algo.kl_target
@@ -78,7 +105,7 @@ def train(cfg: RunConfig, use_ray: bool = True) -> list[dict]:
 
     # -- resume ---------------------------------------------------------------------------------------
     start = 0
-    ckpt = latest_checkpoint(f"{out_dir}/checkpoints") if cfg.trainer.resume else None
+    ckpt = latest_checkpoint(f"{out_dir}/checkpoints") if cfg.trainer.resume and actor is not None else None
     if ckpt is not None:
         state = actor.load(ckpt, cfg.trainer.load_optimizer)
         if critic is not None:
@@ -89,104 +116,134 @@ def train(cfg: RunConfig, use_ray: bool = True) -> list[dict]:
     logger = MetricsLogger(out_dir, cfg.logging, run_config=config_to_dict(cfg))
     if start:
         logger.resume(start)
-    progress = ProgressReporter(cfg.trainer.steps, out_dir, cfg.logging, start_step=start)
-    # engines serve the actor's weights (of the resumed step) from the start; a restarted engine gets them again
-    actor.sync_weights(start + 1)
-    engines.on_restart = lambda _i: (actor.reconnect_sync(), actor.sync_weights(version[0]))
+    progress = ProgressReporter(last_step, out_dir, cfg.logging, start_step=start)
     version = [start + 1]
+    if syncing:  # engines serve the actor's weights (of the resumed step); a restarted engine gets them again
+        actor.sync_weights(version[0])
+        engines.on_restart = lambda _i: (actor.reconnect_sync(), actor.sync_weights(version[0]))
+    offloaded = {role for role in groups if getattr(cfg, role).offload}
+    turns = Turns(groups, offloaded, engines, cfg.rollout.release_memory)
     stop_ids = [prompts.tokenizer.eos_token_id]
     history = []
 
-    for step in range(start + 1, cfg.trainer.steps + 1):
+    for step in range(start + 1, last_step + 1):
         t = Timer()
+        trained = {}
         with t("step"):
             # 1. prompts -> 2. rollout (n samples each) -> 3. reward (DAPO: until enough groups have signal)
-            samples, texts, scores, group_ids, reward_metrics = _rollout_and_reward(
-                cfg, engines, prompts, rewards, stop_ids, t, step
-            )
-            seqs, prompt_lens, engine_logp = rollout.response_tensors(samples)
-            batch = TrainBatch(seqs, prompt_lens)
-            batch.set("rollout_logp", engine_logp)
-
-            # 4. log-probs of the old policy (and reference), values
-            with t("logprob"):
-                old = actor.compute_logprobs(batch, with_entropy=True)
-                batch.set("old_logp", old["logp"])
-                mask = batch.response_mask()
-                old_logp, rollout_logp = batch.padded("old_logp"), batch.padded("rollout_logp")
-                ref_logp = values = None
-                if ref is not None:
-                    batch.set("ref_logp", ref.compute_logprobs(batch)["logp"])
-                    ref_logp = batch.padded("ref_logp")
-                if critic is not None:
-                    batch.set("values", critic.compute_values(batch)["values"])
-                    values = batch.padded("values")
-
-            # 5. advantages (+ train/inference mismatch correction)
-            adv, returns, adv_metrics = compute_advantages(
-                algo, scores, group_ids, mask, old_logp, ref_logp, values, kl_ctl.beta
-            )
-            lengths = batch.response_lengths
-            batch.set("advantages", unpad_rows(adv, lengths))
-            if returns is not None:
-                batch.set("returns", unpad_rows(returns, lengths))
-            mm = mismatch_metrics(old_logp, rollout_logp, mask)
-            if algo.mismatch.mode != "none":
-                weights, keep, mm = mismatch_weights(
-                    old_logp,
-                    rollout_logp,
-                    mask,
-                    algo.mismatch.mode,
-                    algo.mismatch.cap,
-                    algo.mismatch.level,
-                    algo.mismatch.lower,
-                )
-                batch.set("rollout_weights", unpad_rows(weights, lengths))
-                batch.set("loss_mask", unpad_rows(keep, lengths))
-
-            # 6. update critic, then actor
-            with t("update"):
-                update_metrics = {}
-                if critic is not None:
-                    update_metrics.update(critic.update(batch, algo.mini_batches_per_step))
-                update_metrics.update(actor.update(batch, algo.mini_batches_per_step))
-
-            # 7. weight sync: the engines serve the new policy for the next step
-            with t("sync"):
-                version[0] = step + 1
-                sync_metrics = actor.sync_weights(version[0])
+            if replay is not None:
+                rolled = load_rollout(replay[step - 1])
+            else:
+                rolled = _rollout_and_reward(cfg, engines, prompts, rewards, stop_ids, t, step)
+                turns.release_engines()
+            if mode == "rollout":
+                save_rollout(rollout_dir(out_dir), step, rolled)
+            else:
+                # 4. log-probs -> 5. advantages -> 6. update -> 7. weight sync
+                trained = _learn(cfg, step, rolled, groups, turns, kl_ctl, t, version if syncing else None)
 
         # metrics, checkpoint, eval
-        metrics = _step_metrics(step, scores, batch, mask, old, ref_logp, old_logp, mm, kl_ctl, t)
-        versions = {s.weight_version for s in samples}
-        metrics["rollout/weight_version"] = float(versions.pop()) if len(versions) == 1 else float("nan")
-        metrics.update(reward_metrics)
-        metrics.update(adv_metrics)
-        metrics.update(update_metrics)
-        metrics.update(sync_metrics)
-        kl_ctl.update(metrics.get("actor/kl", 0.0), len(samples))
-        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
-            metrics.update(_evaluate(engines, prompts, rewards, sampling, stop_ids))
+        metrics = _step_metrics(step, rolled, t)
+        metrics.update(trained)
+        kl_ctl.update(metrics.get("actor/kl", 0.0), len(rolled.samples))
+        if engines is not None and cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
+            metrics.update(_evaluate(engines, prompts, rewards, cfg.rollout.sampling, stop_ids))
         logger.log(step, metrics)
         progress.update(step, metrics)
         if progress.should_sample(step):
-            progress.samples(step, _sample_rows(samples, texts, scores, prompts, cfg.logging.num_samples))
-        if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or step == cfg.trainer.steps:
+            progress.samples(step, _sample_rows(rolled, prompts, cfg.logging.num_samples))
+        if actor is not None and ((cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or step == last_step):
             extra = {"prompts": prompts.state_dict(), "kl_coef": kl_ctl.beta}
-            if critic is not None:  # first, so an actor checkpoint always has its critic
-                critic.save(f"{out_dir}/critic_checkpoints", step, extra, cfg.trainer.keep_last)
-            actor.save(f"{out_dir}/checkpoints", step, extra, cfg.trainer.keep_last)
+            with turns.on_device(actor, critic):
+                if critic is not None:  # first, so an actor checkpoint always has its critic
+                    critic.save(f"{out_dir}/critic_checkpoints", step, extra, cfg.trainer.keep_last)
+                actor.save(f"{out_dir}/checkpoints", step, extra, cfg.trainer.keep_last)
         history.append(metrics)
 
     # -- the end: plot, export, shutdown ---------------------------------------------------------------
     logger.close()
     progress.close()
-    rewards.close()
+    if rewards is not None:
+        rewards.close()
     _finish(cfg, out_dir, groups, engines)
     return history
 
 
-def _rollout_and_reward(cfg: RunConfig, engines, prompts: PromptSource, rewards, stop_ids, t: Timer, step: int):
+def _learn(cfg: RunConfig, step: int, rolled: RolloutBatch, groups: dict, turns: Turns, kl_ctl, t: Timer, version):
+    """Stages 4-7 of a step on a scored batch; returns their metrics. ``version`` (a one-item list, the
+    engines' weight version) is None when there are no engines to sync (``--train-only``)."""
+    algo = cfg.algorithm
+    actor, ref, critic = groups["actor"], groups.get("ref"), groups.get("critic")
+    seqs, prompt_lens, engine_logp = rollout.response_tensors(rolled.samples)
+    batch = TrainBatch(seqs, prompt_lens)
+    batch.set("rollout_logp", engine_logp)
+    with turns.on_device(actor):
+        # 4. log-probs of the old policy (and reference), values
+        with t("logprob"):
+            old = actor.compute_logprobs(batch, with_entropy=True)
+            batch.set("old_logp", old["logp"])
+            mask = batch.response_mask()
+            old_logp, rollout_logp = batch.padded("old_logp"), batch.padded("rollout_logp")
+            ref_logp = values = None
+            if ref is not None:
+                with turns.on_device(ref):
+                    batch.set("ref_logp", ref.compute_logprobs(batch)["logp"])
+                ref_logp = batch.padded("ref_logp")
+            if critic is not None:
+                with turns.on_device(critic):
+                    batch.set("values", critic.compute_values(batch)["values"])
+                values = batch.padded("values")
+
+        # 5. advantages (+ train/inference mismatch correction)
+        adv, returns, metrics = compute_advantages(
+            algo, rolled.scores, rolled.group_ids, mask, old_logp, ref_logp, values, kl_ctl.beta
+        )
+        lengths = batch.response_lengths
+        batch.set("advantages", unpad_rows(adv, lengths))
+        if returns is not None:
+            batch.set("returns", unpad_rows(returns, lengths))
+        mm = mismatch_metrics(old_logp, rollout_logp, mask)
+        if algo.mismatch.mode != "none":
+            a = algo.mismatch
+            weights, keep, mm = mismatch_weights(old_logp, rollout_logp, mask, a.mode, a.cap, a.level, a.lower)
+            batch.set("rollout_weights", unpad_rows(weights, lengths))
+            batch.set("loss_mask", unpad_rows(keep, lengths))
+
+        # 6. update critic, then actor (VAPO: the critic alone for its first critic_warmup_steps)
+        actor_learns = step > algo.critic_warmup_steps
+        with t("update"):
+            if critic is not None:
+                with turns.on_device(critic):
+                    metrics.update(critic.update(batch, algo.mini_batches_per_step))
+            if actor_learns:
+                metrics.update(actor.update(batch, algo.mini_batches_per_step))
+
+        # 7. weight sync: the engines serve the new policy for the next step
+        with t("sync"):
+            if version is not None:  # also in warm-up: engines that released memory need their weights back
+                turns.engine_weights_back()
+                version[0] = step + 1
+                metrics.update(actor.sync_weights(version[0]))
+    turns.engine_cache_back()
+
+    entropy = pad_rows(old["entropy"])
+    metrics.update(
+        {
+            "actor/entropy": float(masked_mean(entropy, mask)),
+            "actor/kl": float(masked_mean(kl_estimate(old_logp, ref_logp, "k3"), mask)) if ref is not None else 0.0,
+            "actor/kl_coef": kl_ctl.beta,
+            "rollout/logprob_diff_mean": float(mm["mismatch/logp_diff_mean"]),
+            "rollout/logprob_diff_max": float(mm["mismatch/logp_diff_max"]),
+            "rollout/k3_kl": float(mm["mismatch/k3_kl"]),
+        }
+    )
+    metrics.update({k: float(v) for k, v in mm.items() if k.startswith("mismatch/")})
+    return metrics
+
+
+def _rollout_and_reward(
+    cfg: RunConfig, engines, prompts: PromptSource, rewards, stop_ids, t: Timer, step: int
+) -> RolloutBatch:
     """Samples, their decoded texts, scores, group ids (one per prompt) and reward metrics.
 
     With DAPO's dynamic sampling, groups whose samples all score the same carry no gradient; more
@@ -217,39 +274,40 @@ def _rollout_and_reward(cfg: RunConfig, engines, prompts: PromptSource, rewards,
             )
         group_ids = [s.prompt_index for s in samples]
         if sampler is None:
-            return samples, texts, scores, group_ids, metrics
+            return RolloutBatch(samples, texts, scores, group_ids, metrics)
         sampler.add(list(zip(samples, texts, scores.tolist())), scores, group_ids)
         if sampler.done or sampler.exhausted:
             groups, ds_metrics = sampler.take()
             metrics.update(ds_metrics)
             rows = [(g, row) for g, group in enumerate(groups) for row in group]
             samples, texts = [r[0] for _, r in rows], [r[1] for _, r in rows]
-            return samples, texts, torch.tensor([r[2] for _, r in rows]), [g for g, _ in rows], metrics
+            scores = torch.tensor([r[2] for _, r in rows])
+            return RolloutBatch(samples, texts, scores, [g for g, _ in rows], metrics)
 
 
-def _step_metrics(step, scores, batch, mask, old, ref_logp, old_logp, mm, kl_ctl, t) -> dict:
-    from rlsys.algorithms import kl as kl_estimate
-    from rlsys.algorithms import masked_mean
-
-    lengths = torch.tensor(batch.response_lengths, dtype=torch.float32)
-    entropy = pad_rows(old["entropy"])
+def _step_metrics(step: int, rolled: RolloutBatch, t: Timer) -> dict:
+    scores, samples = rolled.scores, rolled.samples
+    lengths = torch.tensor([len(s.output_ids) for s in samples], dtype=torch.float32)
+    versions = {s.weight_version for s in samples}
     metrics = {
         "step": step,
         "reward/mean": float(scores.mean()),
         "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
-        "actor/entropy": float(masked_mean(entropy, mask)),
-        "actor/kl": float(masked_mean(kl_estimate(old_logp, ref_logp, "k3"), mask)) if ref_logp is not None else 0.0,
-        "actor/kl_coef": kl_ctl.beta,
-        "rollout/logprob_diff_mean": float(mm["mismatch/logp_diff_mean"]),
-        "rollout/logprob_diff_max": float(mm["mismatch/logp_diff_max"]),
-        "rollout/k3_kl": float(mm["mismatch/k3_kl"]),
+        "rollout/weight_version": _version_number(versions),
+        **rolled.metrics,
+        **t,
     }
-    metrics.update({k: float(v) for k, v in mm.items() if k.startswith("mismatch/")})
-    metrics.update(t)
-    metrics["throughput/tokens_per_s"] = float(sum(batch.lengths)) / max(t["time/step_s"], 1e-9)
+    tokens = sum(len(s.prompt_ids) + len(s.output_ids) for s in samples)
+    metrics["throughput/tokens_per_s"] = tokens / max(t["time/step_s"], 1e-9)
     return metrics
+
+
+def _version_number(versions: set) -> float:
+    """The one weight version the samples were generated with; NaN if mixed or never synced ("default")."""
+    version = versions.pop() if len(versions) == 1 else None
+    return float(version) if isinstance(version, str) and version.isdigit() else float("nan")
 
 
 def _evaluate(engines, prompts: PromptSource, rewards, sampling, stop_ids) -> dict:
@@ -270,10 +328,10 @@ def _evaluate(engines, prompts: PromptSource, rewards, sampling, stop_ids) -> di
     }
 
 
-def _sample_rows(samples, texts, scores, prompts: PromptSource, k: int = 2) -> list[dict]:
+def _sample_rows(rolled: RolloutBatch, prompts: PromptSource, k: int = 2) -> list[dict]:
     return [
         {"prompt": prompts.tokenizer.decode(s.prompt_ids), "response": text, "reward": float(score)}
-        for s, text, score in list(zip(samples, texts, scores.tolist()))[:k]
+        for s, text, score in list(zip(rolled.samples, rolled.texts, rolled.scores.tolist()))[:k]
     ]
 
 
@@ -284,9 +342,10 @@ def _finish(cfg: RunConfig, out_dir: str, groups: dict, engines) -> None:
 
     for g in groups.values():
         g.shutdown()
-    engines.close()
+    if engines is not None:
+        engines.close()
     plot_run(out_dir)
-    if cfg.trainer.export_hf:
+    if cfg.trainer.export_hf and "actor" in groups:
         from rlsys.convert.cli import main as convert
 
         ckpt = latest_checkpoint(f"{out_dir}/checkpoints")

@@ -38,6 +38,17 @@ class Sample:
     weight_version: str | None = None
 
 
+@dataclass
+class RolloutBatch:
+    """One step's scored samples (``n`` per prompt; ``group_ids`` tell which belong together)."""
+
+    samples: list[Sample]
+    texts: list[str]  # decoded responses, as the reward saw them
+    scores: torch.Tensor  # [len(samples)] reward (+ shaping)
+    group_ids: list[int]
+    metrics: dict  # of the reward stage
+
+
 def start_engines(
     cfg: RolloutConfig, model_dir: str, dtype: str, seed: int, log_dir: str, placement: Placement | None = None
 ) -> EnginePool:
@@ -63,6 +74,7 @@ def start_engines(
             dtype=_SGLANG_DTYPES[dtype],
             seed=seed,
             python=cfg.sglang_python,
+            enable_memory_saver=cfg.release_memory,
             log_dir=log_dir,
         )
     servers = []
@@ -91,6 +103,7 @@ def _sglang_engine_command(cfg: RolloutConfig, model_dir: str, dtype: str, seed:
         python=cfg.sglang_python,
         host=host,
         base_gpu_id=base_gpu_id,
+        enable_memory_saver=cfg.release_memory,
     )
 
 

@@ -17,7 +17,9 @@ def start_ray(cluster: ClusterConfig) -> None:
     if cluster.ray_address:
         ray.init(address=cluster.ray_address, log_to_driver=True)
     else:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True)
+        # a CPU run reserves devices_per_node CPUs for its ranks and engines, even on a smaller machine
+        cpus = max(os.cpu_count() or 1, cluster.devices_per_node)
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True)
 
 
 def prepare_model_dir(model: ModelConfig, out_dir: str, tokenizer, seed: int) -> str:

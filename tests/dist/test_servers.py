@@ -60,10 +60,13 @@ class Handler(BaseHTTPRequestHandler):
             time.sleep(args.delay)
             prompts = body["input_ids"] if isinstance(body["input_ids"][0], list) else [body["input_ids"]]
             n = body.get("sampling_params", {}).get("n", 1)
+            seed = body.get("sampling_params", {}).get("sampling_seed")
             outs = []
-            for p in prompts:
+            for i, p in enumerate(prompts):
                 for j in range(n):
                     ids = [args.port, p[0], j]  # who answered, for which prompt, which sample
+                    if seed is not None:  # and the seed it draws from, as the CPU engine derives it
+                        ids.append(seed + i * n + j)
                     outs.append({"text": "x", "output_ids": ids, "meta_info": {
                         "id": uuid.uuid4().hex, "finish_reason": {"type": "length", "length": 3},
                         "prompt_tokens": len(p), "completion_tokens": 3, "weight_version": state["weight_version"],
@@ -197,6 +200,15 @@ def test_pool_round_robin_kill_restart_close(fake_server):
     pool.close()
     assert all(_gone(p) for p in all_pids), "close() leaves no process behind"
     pool.close()
+
+
+def test_a_request_seed_gives_every_sample_of_the_batch_its_own_stream(fake_server):
+    """However the pool cuts prompts into requests, sample j of prompt i draws from seed + i * n + j."""
+    servers = [fake_server(name=f"engine{i}") for i in range(2)]
+    with EnginePool.launch(servers, timeout_s=30, health_timeout_s=30, prompts_per_request=2) as pool:
+        sampling = protocol.sampling_params(n=2, max_new_tokens=3)
+        outs = pool.generate([[10], [11], [12], [13], [14]], {**sampling, "sampling_seed": 100})
+    assert [o.output_ids[3] for o in outs] == [100 + i * 2 + j for i in range(5) for j in range(2)]
 
 
 def test_check_and_restart_and_a_dead_only_engine(fake_server):

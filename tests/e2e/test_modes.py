@@ -1,0 +1,106 @@
+"""Every algorithm, the debug modes and colocated turn-taking, a couple of real steps each on CPU.
+
+One rank per role in the controller's process (the no-Ray debug mode) keeps these cheap; the Ray path
+is covered by ``test_train.py``. The CPU engine is a real server process receiving weights each step.
+"""
+
+import math
+import os
+
+import pytest
+
+from rlsys.config import load_config
+from rlsys.errors import UserError
+from rlsys.trainer.loop import train
+
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny-cpu-grpo.yaml")
+ONE_RANK = [
+    "actor.parallel.tp=1",
+    "cluster.devices_per_node=1",
+    "data.prompts_per_step=4",
+    "rollout.sampling.n=4",
+    "rollout.sampling.max_new_tokens=4",
+    "logging.tensorboard=false",
+    "trainer.export_hf=false",
+]
+ALGORITHMS = {
+    "dapo": [
+        "algorithm.dynamic_sampling.enabled=true",
+        "algorithm.overlong.enabled=true",
+        "algorithm.overlong.buffer_length=2",
+        "algorithm.loss_agg_mode=token-mean",
+    ],
+    "gspo": ["algorithm.clip_low=0.0003", "algorithm.clip_high=0.0004", "algorithm.loss_agg_mode=seq-mean-token-mean"],
+    # KL folded into the reward needs the reference model
+    "reinforce_pp": ["ref.enabled=true", "algorithm.kl_coef=0.01", "algorithm.use_kl_loss=false"],
+    "rloo": [],
+}
+
+
+def run(tmp_path, name, steps, *overrides, mode="full", replay_dir=None):
+    run_keys = [f"trainer.output_dir={tmp_path / name}", f"trainer.steps={steps}"]
+    cfg = load_config(CONFIG, [*run_keys, *ONE_RANK, *overrides])
+    return train(cfg, use_ray=False, mode=mode, replay_dir=replay_dir)
+
+
+def finite(m: dict) -> bool:
+    return all(math.isfinite(v) for k, v in m.items() if isinstance(v, float) and k != "rollout/weight_version")
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_each_algorithm_trains(tmp_path, name):
+    history = run(tmp_path, name, 2, f"algorithm.name={name}", *ALGORITHMS[name])
+    assert [m["step"] for m in history] == [1, 2]
+    for m in history:
+        assert finite(m), m
+        assert m["rollout/logprob_diff_max"] < 1e-3
+        assert m["rollout/weight_version"] == m["step"]
+        assert "actor/pg_loss" in m and m["actor/grad_norm"] > 0
+    if name == "dapo":
+        assert all("dynamic_sampling/rounds" in m or "dynamic_sampling/kept_groups" in m for m in history), history[0]
+    if name == "reinforce_pp":
+        assert all("actor/reward_kl" in m for m in history)
+
+
+def test_rollout_only_then_train_only_replays_the_saved_batches(tmp_path):
+    rolled = run(tmp_path, "rollouts", 2, mode="rollout")
+    saved = tmp_path / "rollouts" / "rollouts"
+    assert sorted(os.listdir(saved)) == ["step_000001.pt", "step_000002.pt"]
+    assert all("actor/pg_loss" not in m for m in rolled)
+    assert not (tmp_path / "rollouts" / "checkpoints").exists()  # no Megatron role ran
+
+    trained = run(tmp_path, "replay", 5, mode="train", replay_dir=str(saved))
+    assert [m["step"] for m in trained] == [1, 2]  # as many steps as saved batches
+    for r, t in zip(rolled, trained):
+        assert t["reward/mean"] == r["reward/mean"] and t["response/length_mean"] == r["response/length_mean"]
+        assert finite(t) and "actor/pg_loss" in t and "time/rollout_s" not in t
+    # the engine's log-probs were saved with the batch: the untrained actor matches them at step 1; all
+    # saved batches came from the initial weights, so at step 2 the updated actor differs (off-policy)
+    assert trained[0]["rollout/logprob_diff_max"] < 1e-3
+    assert trained[1]["rollout/logprob_diff_max"] > 1e-3
+    with pytest.raises(UserError, match="--rollout-only"):
+        run(tmp_path, "nothing", 1, mode="train", replay_dir=str(tmp_path / "missing"))
+
+
+def test_colocated_turns_offload_release_and_critic_warmup(tmp_path):
+    history = run(
+        tmp_path,
+        "turns",
+        2,
+        "algorithm.name=ppo",
+        "critic.enabled=true",
+        "algorithm.critic_warmup_steps=1",
+        "actor.offload=true",
+        "critic.offload=true",
+        "rollout.release_memory=true",
+    )
+    warmup, learning = history
+    assert "critic/vf_loss" in warmup and "actor/pg_loss" not in warmup
+    assert "critic/vf_loss" in learning and "actor/pg_loss" in learning
+    for m in history:
+        assert finite(m), m
+        # the engines released their weights after each rollout: they only match because the sync re-sent them
+        assert m["rollout/logprob_diff_max"] < 1e-3
+        assert m["rollout/weight_version"] == m["step"]
+    assert (tmp_path / "turns" / "checkpoints").exists()  # saving onloaded the offloaded roles
