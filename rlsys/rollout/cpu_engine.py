@@ -110,19 +110,17 @@ class CPUEngine:
                 self.generator.check(s)
         except (ValueError, TypeError) as e:
             return _error(e)
-        results = []
         with self.gate.generating():
             if self.released is not None:
                 return _error("the weights are released: call /resume_memory_occupation first")
             for s in samples:
                 self.live[s.rid] = s
-            try:
-                for s in samples:
-                    resp = self.generator.run(s, self.gate.between_tokens)
+            try:  # the request's samples as one batch (some kinds one at a time: see Generator.can_batch)
+                results = self.generator.run_all(samples, self.gate.between_tokens)
+                for resp in results:
                     resp["meta_info"]["weight_version"] = self.weight_version
                     if text_in_logprobs:
                         self.generator.add_token_texts(resp)
-                    results.append(resp)
             finally:
                 for s in samples:
                     self.live.pop(s.rid, None)

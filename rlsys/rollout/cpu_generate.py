@@ -16,11 +16,15 @@ in ``stop_token_ids`` or the model's EOS ids (``{"type": "stop", "matched": id}`
 ``output_ids``), then stop strings (``{"type": "stop", "matched": str}``, text cut before it unless
 ``no_stop_trim``). ``min_new_tokens`` masks the stop tokens' logits until reached.
 
-Randomness: sample j of a request with ``sampling_params.sampling_seed`` s draws from a generator seeded
-s + j, so a request repeats exactly; without it, seeds come from the server's ``--seed`` stream.
+Randomness: sample j of prompt i of a request with ``sampling_params.sampling_seed`` s draws from a generator
+seeded s + i * n + j, so a request repeats exactly; without it, seeds come from the server's ``--seed`` stream.
 
-Samples run one sequence at a time with a KV cache. ``Gate`` (SGLang's ``model_update_lock`` and pause
-state, for threads) decides between tokens whether a sample continues, is aborted, or parks while paused.
+The samples of a request run as one batch (``Generator.run_batch``): the prompts are prefilled together,
+left-padded, with an attention mask and explicit position ids, then every unfinished sample decodes one token
+per step on a shared KV cache; finished samples leave the batch. Each sample keeps its own seeded generator
+and parameters, so it gets what it would alone (``Generator.run``, one sequence at a time) up to the float
+rounding of batched matmuls. ``Gate`` (SGLang's ``model_update_lock`` and pause state, for threads) decides
+between tokens whether a sample continues, is aborted, or parks while paused.
 """
 
 from __future__ import annotations
@@ -145,7 +149,8 @@ def parse_request(body: dict, tokenizer, next_seed) -> tuple[list[Sample], bool,
             raise ValueError("a prompt has no tokens")
         p = params[i]
         for j in range(p.n):
-            seed = p.sampling_seed + j if p.sampling_seed is not None else next_seed()
+            # one stream per sample of the request: prompts sharing s + j would share their random draws
+            seed = p.sampling_seed + i * p.n + j if p.sampling_seed is not None else next_seed()
             rid = rids[i] if rids[i] and p.n == 1 else uuid.uuid4().hex  # SGLang gives each of n samples a new rid
             samples.append(Sample(rid, prompt, p, seed, bool(want_lp[i]), int(start[i]), int(top[i] or 0)))
     is_single = is_single and params[0].n == 1
@@ -176,7 +181,12 @@ class Generator:
         self.model, self.tokenizer, self.context_len = model, tokenizer, context_len
         self.vocab_size = model.config.get_text_config().vocab_size
         self.eos_ids = _eos_ids(model, tokenizer)
-        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        params = inspect.signature(model.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        # Left padding needs both; a model without them generates one sequence at a time.
+        self.batchable = "attention_mask" in params and "position_ids" in params
+        pad = getattr(model.config.get_text_config(), "pad_token_id", None)
+        self.pad_id = pad if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0  # any id: it is masked
 
     def _forward(self, ids: list[int], cache, all_logits: bool):
         keep = 0 if all_logits else 1
@@ -192,14 +202,18 @@ class Generator:
         if not all(0 <= t < self.vocab_size for t in s.prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
 
+    def _limits(self, s: Sample) -> tuple[int, set[int]]:
+        """``(max_new, stop_ids)``: the token budget within the context, and the ids that end the sample."""
+        limit = self.context_len - len(s.prompt_ids)
+        max_new = limit if s.params.max_new_tokens is None else min(s.params.max_new_tokens, limit)
+        return max_new, set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else self.eos_ids)
+
     def run(self, s: Sample, between_tokens) -> dict:
         """Generate one sample. ``between_tokens(s)`` returns "continue", "recompute" (retract: the KV cache
         is rebuilt with the current weights) or "abort"."""
         tic, p, prompt = time.time(), s.params, s.prompt_ids
         gen = torch.Generator().manual_seed(s.seed)
-        limit = self.context_len - len(prompt)
-        max_new = limit if p.max_new_tokens is None else min(p.max_new_tokens, limit)
-        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+        max_new, stop_ids = self._limits(s)
         out, lps, tops, input_lps, cache = [], [], [], None, None
         finish = {"type": "length", "length": max_new} if max_new <= 0 else None
         with torch.no_grad():
@@ -224,6 +238,99 @@ class Generator:
                     tops.append(_top(logprobs, s.top_logprobs_num))
                 finish = self._finish(out, p, stop_ids, max_new)
         return self._response(s, out, lps, tops, input_lps, finish, time.time() - tic)
+
+    def can_batch(self, s: Sample) -> bool:
+        """Whether ``run_batch`` serves this sample. Sequential ``run`` instead for input log-probs
+        (``return_logprob`` with ``logprob_start_len >= 0``: they need the logits at every prompt position, which
+        the padded prefill would have to unpad, and recompute again after a retract) and for models whose
+        ``forward`` takes no ``attention_mask`` or ``position_ids`` (left padding needs both)."""
+        return self.batchable and not (s.return_logprob and s.logprob_start_len >= 0)
+
+    def run_all(self, samples: list[Sample], between_tokens) -> list[dict]:
+        """The responses to a request's samples, in order: those ``can_batch`` takes as one batch, then the
+        others one at a time."""
+        batched = [i for i, s in enumerate(samples) if self.can_batch(s)] if len(samples) > 1 else []
+        results: list[dict | None] = [None] * len(samples)
+        for i, resp in zip(batched, self.run_batch([samples[i] for i in batched], between_tokens)):
+            results[i] = resp
+        return [r if r is not None else self.run(s, between_tokens) for s, r in zip(samples, results)]
+
+    def run_batch(self, samples: list[Sample], between_tokens) -> list[dict]:
+        """Generate several samples together; each follows ``run``'s rules with its own seed and parameters.
+
+        Before every forward, ``between_tokens`` is called once for each unfinished sample, in order, from this
+        thread: each call that parks (pause) leaves ``Gate.running`` and re-enters it before returning, so the
+        request counts once whatever the batch size. "abort" ends that sample; "recompute" (any sample) drops
+        the KV cache, and the unfinished samples are prefilled again from prompt + tokens so far.
+        """
+        tic = time.time()
+        seqs = [_Seq(s, torch.Generator().manual_seed(s.seed), *self._limits(s)) for s in samples]
+        for q in seqs:
+            if q.max_new <= 0:
+                q.finish, q.latency = {"type": "length", "length": q.max_new}, 0.0
+        batch: list[_Seq] = []  # the rows of the KV cache, in order
+        cache = mask = pos = None
+        with torch.no_grad():
+            while True:
+                recompute = cache is None
+                for q in [q for q in seqs if q.finish is None]:
+                    action = between_tokens(q.s)
+                    if action == "abort":
+                        q.finish = {"type": "abort", "message": "Request aborted."}
+                        q.latency = time.time() - tic
+                    recompute |= action == "recompute"
+                live = [q for q in seqs if q.finish is None]  # all in ``batch``, in its order, unless cache is None
+                if not live:
+                    break
+                if recompute:
+                    cache = None
+                elif len(live) < len(batch):  # finished samples leave the batch
+                    if hasattr(cache, "batch_select_indices"):
+                        idx = torch.tensor([i for i, q in enumerate(batch) if q.finish is None])
+                        cache.batch_select_indices(idx)
+                        mask, pos = mask[idx], pos[idx]
+                    else:
+                        cache = None  # a cache that cannot drop rows: prefill the rest again
+                batch = live
+                if cache is None:
+                    ids, mask, pos = self._left_pad([q.s.prompt_ids + q.out for q in batch])
+                    logits, cache = self._forward_batch(ids, mask, pos, None)
+                    pos = pos[:, -1:]
+                else:
+                    ids = torch.tensor([[q.out[-1]] for q in batch])
+                    mask = torch.cat([mask, mask.new_ones(len(batch), 1)], dim=1)
+                    pos = pos + 1
+                    logits, cache = self._forward_batch(ids, mask, pos, cache)
+                for q, row in zip(batch, logits):
+                    self._step(q, row)
+                    if q.finish is not None:
+                        q.latency = time.time() - tic
+        return [self._response(q.s, q.out, q.lps, q.tops, None, q.finish, q.latency) for q in seqs]
+
+    def _left_pad(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(ids, attention_mask, position_ids)`` for sequences padded on the left to one length."""
+        width = max(len(x) for x in seqs)
+        ids = torch.tensor([[self.pad_id] * (width - len(x)) + x for x in seqs])
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in seqs])
+        return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def _forward_batch(self, ids, mask, pos, cache):
+        """Logits at the last position of each row (float32), and the cache."""
+        kw = {self.cache_kwarg: cache}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kw)
+        return out.logits[:, -1].float(), getattr(out, self.cache_kwarg)
+
+    def _step(self, q: _Seq, row: torch.Tensor) -> None:
+        """Sample one token for ``q`` from its row of logits, as ``run`` does."""
+        p = q.s.params
+        if len(q.out) < p.min_new_tokens and q.stop_ids:
+            row[[t for t in q.stop_ids if t < row.numel()]] = float("-inf")
+        token, logprobs = sample_token(row, p, q.gen)
+        q.out.append(token)
+        q.lps.append(float(logprobs[token]))
+        if q.s.top_logprobs_num > 0:
+            q.tops.append(_top(logprobs, q.s.top_logprobs_num))
+        q.finish = self._finish(q.out, p, q.stop_ids, q.max_new)
 
     def _finish(self, out: list[int], p: SamplingParams, stop_ids: set[int], max_new: int) -> dict | None:
         if len(out) >= max_new:
@@ -280,6 +387,21 @@ class Generator:
         for key in ("output_token_logprobs", "input_token_logprobs"):
             for entry in resp["meta_info"].get(key, []):
                 entry[2] = self.tokenizer.decode([entry[1]])
+
+
+@dataclass
+class _Seq:
+    """A sample's state in ``Generator.run_batch``."""
+
+    s: Sample
+    gen: torch.Generator
+    max_new: int
+    stop_ids: set[int]
+    out: list[int] = field(default_factory=list)
+    lps: list[float] = field(default_factory=list)
+    tops: list = field(default_factory=list)
+    finish: dict | None = None
+    latency: float = 0.0
 
 
 def _top(logprobs: torch.Tensor, k: int) -> list:

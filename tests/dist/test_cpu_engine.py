@@ -154,6 +154,9 @@ def test_sampling_is_seeded_and_logprobs_match_hf(qwen2, ckpts):
     assert len(outs) == 4  # prompt-major: p0s0, p0s1, p1s0, p1s1
     assert [o["output_ids"] for o in generate(qwen2, body)] == [o["output_ids"] for o in outs]
     assert outs[0]["output_ids"] != outs[1]["output_ids"]  # the n samples differ
+    # so do the samples of equal prompts in one request: each sample has its own random stream
+    twice = generate(qwen2, {**body, "input_ids": [prompts[0], prompts[0]]})
+    assert twice[0]["output_ids"] != twice[2]["output_ids"]
     for k, out in enumerate(outs):
         meta = out["meta_info"]
         assert meta["finish_reason"] == {"type": "length", "length": 8}
@@ -201,6 +204,52 @@ def test_text_prompts_and_stop_strings(moe):
     assert cut["output_ids"] == ids[: k + 1]
     full = " ".join(f"w{i}" for i in ids[: k + 1])
     assert cut["text"] == full[: full.find(stop)]  # the stop string is trimmed from the text
+
+
+def test_batched_request_matches_each_sample_alone(qwen2, ckpts):
+    """A request's samples run as one batch (mixed prompt lengths, left-padded): each gets the tokens and
+    log-probs it gets alone with the same seed, early stops included."""
+    reset(qwen2, ckpts["qwen2", 0])
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [7, 8], [5, 6, 7]]
+    sampled = {"temperature": 0.8, "top_p": 0.95, "max_new_tokens": 8, "n": 3, "sampling_seed": 40}
+    greedy = {"temperature": 0, "max_new_tokens": 8}
+    full = generate(qwen2, {"input_ids": prompts[2], "sampling_params": greedy})["output_ids"]
+    params = [sampled, {**sampled, "stop_token_ids": list(range(0, 1001, 3))}, {**greedy, "stop_token_ids": [full[2]]}]
+    outs = generate(qwen2, {"input_ids": prompts, "sampling_params": params, "return_logprob": True})
+    assert len(outs) == 7  # n=3, n=3, n=1
+    finish = [o["meta_info"]["finish_reason"]["type"] for o in outs]
+    assert "stop" in finish[3:] and "length" in finish[:3], finish
+    assert outs[-1]["output_ids"] == full[: full.index(full[2]) + 1]
+    k = 0
+    for i, p in enumerate(params):
+        for j in range(p.get("n", 1)):
+            one = {k2: v for k2, v in p.items() if k2 != "n"}
+            if "sampling_seed" in one:
+                one["sampling_seed"] += i * p["n"] + j  # sample j of prompt i draws from seed + i * n + j
+            alone = generate(qwen2, {"input_ids": prompts[i], "sampling_params": one, "return_logprob": True})
+            out = outs[k]
+            assert out["output_ids"] == alone["output_ids"]
+            assert out["meta_info"]["finish_reason"] == alone["meta_info"]["finish_reason"]
+            got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+            ref = torch.tensor([lp for lp, _, _ in alone["meta_info"]["output_token_logprobs"]])
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+            assert_logprobs_match_hf(out, prompts[i], ckpts["qwen2", 0], p["temperature"] or 1.0)
+            k += 1
+
+
+def test_batched_text_prompts_with_stop_strings(moe):
+    greedy = {"temperature": 0, "max_new_tokens": 8}
+    texts = ["w9 w8 w7", "w5", "w100 w200 w300 w400 w500"]
+    full = generate(moe, {"text": texts, "sampling_params": greedy})
+    stops = [f"w{full[i]['output_ids'][i + 1]}" for i in range(3)]
+    cut = generate(moe, {"text": texts, "sampling_params": [{**greedy, "stop": [s]} for s in stops]})
+    for i, (stop, out) in enumerate(zip(stops, cut)):
+        ids = full[i]["output_ids"]
+        k = next(k for k in range(len(ids)) if stop in " ".join(f"w{t}" for t in ids[: k + 1]))
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert out["output_ids"] == ids[: k + 1]
+        text = " ".join(f"w{t}" for t in ids[: k + 1])
+        assert out["text"] == text[: text.find(stop)]
 
 
 # ---- weight updates over a gloo group ----
@@ -392,10 +441,23 @@ def test_pause_abort_and_retract_across_a_weight_update(qwen2, ckpts):
     assert post(qwen2, "/pause_generation", {"mode": "abort"}).json()["status"] == "ok"
     t.join(60)
     assert post(qwen2, "/continue_generation").status_code == 200
-    assert any(o["meta_info"]["finish_reason"]["type"] == "abort" for o in results["abort"])
+    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in results["abort"])  # one batch
+    assert all(o["meta_info"]["completion_tokens"] < 240 for o in results["abort"])
 
-    single = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}}
-    t = threading.Thread(target=lambda: results.update(retract=generate(qwen2, single)))
+    # /abort_request by rid ends that sample of the batch; the others go on
+    two = {**long, "input_ids": [[1, 2, 3], [4, 5]], "rid": ["keep", "drop"]}
+    t = threading.Thread(target=lambda: results.update(rid=generate(qwen2, two)))
+    t.start()
+    _busy(qwen2)
+    assert post(qwen2, "/abort_request", {"rid": "drop"}).status_code == 200
+    t.join(60)
+    keep, drop = results["rid"]
+    assert (keep["meta_info"]["id"], drop["meta_info"]["id"]) == ("keep", "drop")
+    assert keep["meta_info"]["finish_reason"] == {"type": "length", "length": 240}
+    assert drop["meta_info"]["finish_reason"]["type"] == "abort" and len(drop["output_ids"]) < 240
+
+    batch = {"input_ids": [[1, 2, 3], [6, 5, 4, 3, 2]], "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}}
+    t = threading.Thread(target=lambda: results.update(retract=generate(qwen2, batch)))
     t.start()
     _busy(qwen2)
     post(qwen2, "/pause_generation", {"mode": "retract"})
@@ -407,9 +469,9 @@ def test_pause_abort_and_retract_across_a_weight_update(qwen2, ckpts):
     assert r.status_code == 200, r.text  # a paused engine updates at once
     post(qwen2, "/continue_generation")
     t.join(60)
-    out = results["retract"]
-    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 240}
-    assert out["meta_info"]["weight_version"] == "r1"
+    for out in results["retract"]:
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 240}
+        assert out["meta_info"]["weight_version"] == "r1"
 
 
 # ---- the name mapping, in process, on every supported architecture ----
