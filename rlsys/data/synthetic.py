@@ -15,7 +15,10 @@ Kinds (``L`` = ``length`` symbols drawn from the first ``alphabet`` letters):
 The defaults (copy, L=3, alphabet 4) are the measured-learnable setting: plain GRPO on a random
 2-layer, 64-wide Qwen2 (vocab 35, 8 prompts x 8-16 samples, 5 new tokens, Adam lr 2e-3, entropy
 bonus 0.03) climbed from 0.02-0.06 to above 0.8 within 80-150 steps for each of 10 seeds on CPU,
-and solved held-out strings greedily. Longer strings, larger alphabets, reverse, sort and add are
+and solved held-out strings greedily; with 4 new tokens and lr 3e-3 (``configs/tiny-cpu-grpo.yaml``)
+the same loop reached 0.8 by step 100-130 and rlsys's Megatron demo averaged 0.96 over steps 181-200.
+The samples must draw independent random numbers: when every prompt's sample j shared one seed, the
+demo stalled at 0.75 (the copied string without EOS). Longer strings, larger alphabets, reverse, sort and add are
 harder and need far more steps.
 
 The eval split is a fixed set of problems that the train split never produces, picked by a hash of
