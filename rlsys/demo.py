@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     minutes = (time.time() - start) / 60
     print(f"\nreward/mean: {first:.3f} over the first {window} steps -> {last:.3f} over the last {window}")
     print(f"{len(rows)} steps in {minutes:.1f} min; plot {OUT}/metrics.png; HF export {OUT}/hf_export")
+    evals = [(r["step"], r["eval/reward_mean"]) for r in rows if "eval/reward_mean" in r]
+    if evals:
+        trail = ", ".join(f"step {s}: {v:.3f}" for s, v in evals)
+        print(f"greedy reward on held-out strings (never in the training split): {trail}")
     met = first < 0.3 and last > 0.8
     print(f"target (from below 0.3 to above 0.8): {'met' if met else 'NOT met'}")
     return 0 if last > first else 1

@@ -34,7 +34,7 @@ ALGORITHMS = {
     "gspo": ["algorithm.clip_low=0.0003", "algorithm.clip_high=0.0004", "algorithm.loss_agg_mode=seq-mean-token-mean"],
     # KL folded into the reward needs the reference model
     "reinforce_pp": ["ref.enabled=true", "algorithm.kl_coef=0.01", "algorithm.use_kl_loss=false"],
-    "rloo": [],
+    "rloo": ["trainer.eval_every=2"],  # and the greedy held-out evaluation
 }
 
 
@@ -61,6 +61,8 @@ def test_each_algorithm_trains(tmp_path, name):
         assert all("dynamic_sampling/rounds" in m or "dynamic_sampling/kept_groups" in m for m in history), history[0]
     if name == "reinforce_pp":
         assert all("actor/reward_kl" in m for m in history)
+    if name == "rloo":
+        assert "eval/reward_mean" not in history[0] and 0 <= history[1]["eval/reward_mean"] <= 1
 
 
 def test_rollout_only_then_train_only_replays_the_saved_batches(tmp_path):
