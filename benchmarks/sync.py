@@ -6,8 +6,8 @@ SGLang protocol on transformers) serves the model, and the two trainer ranks (a 
 with random weights) measure, interleaved per repeat so that load from other processes hits all alike:
 
 * ``ours``: ``DistributedWeightSync.sync`` with ``load_format="flattened_bucket"`` over gloo (the first
-  sync creates the group and is not timed): export gathers, funnel (PP), bucketing, flatten, one broadcast
-  per bucket into the engine, the engine's load, pause/flush/continue. Bytes: ``SyncStats.bytes``.
+  sync creates the group and is not timed): export gathers, bucketing, flatten, funnel (PP: whole buckets), one
+  broadcast per bucket into the engine, the engine's load, pause/flush/continue. Bytes: ``SyncStats.bytes``.
 * ``raw`` (a): the same bytes, in buckets of exactly the sizes the sync sent, broadcast from trainer rank 0 to
   trainer rank 1 over a fresh gloo group between the same two trainer processes (1 sender, 1 receiver, one
   host, TCP loopback, as the sync group), from a preallocated buffer, ended by a barrier so the receiver has
@@ -23,16 +23,18 @@ with random weights) measure, interleaved per repeat so that load from other pro
 
 Ratios: effective/raw = raw seconds / ours seconds for the same bytes (target >= 0.8); naive/ours = naive
 seconds / ours seconds (target >= 5). A second table splits each sync (the median repeat) on the sender:
-main thread in ``iter_hf_tensors`` (TP gathers + HF conversion), in bucketing + waiting for the queue, the
-funnel wait (PP) and final drain; the broadcast thread in ``Bucket.flattened``, in ``dist.broadcast`` and
-waiting for the engine's reply after the broadcast (the engine copies the bucket into its model).
+main thread in ``iter_hf_tensors`` (TP gathers + HF conversion), in handing its buckets over (flatten + waiting
+for a free bucket slot), in receiving PP stage 1's buckets, and the rest (waiting for slots, final drain); the
+broadcast thread in ``dist.broadcast`` and waiting for the engine's reply after it (the engine copies the
+bucket into its model). It also shows the most buckets alive at once on the sender and the resident memory
+the first sync added on each trainer rank (``mem``: bucket buffers kept for later syncs included).
 
 Results: a table on stdout and JSON in ``benchmarks/results/sync_<timestamp>.json`` (or ``--json PATH``).
 Run: ``python benchmarks/sync.py [--quick] [--sizes 50m,200m,1b] [--layouts tp2,pp2] [--bucket-mb 512]``.
 Runtime on 2 shared CPU cores: ``--quick`` about 1.5 minutes; the default (3 sizes x 2 layouts, 3 repeats,
-2 naive round trips) about 11 minutes. Memory peaks near 14 GiB, at 1B TP=2: engine 2.4, trainer rank 1 2.6
-and the sender rank 0 6.8 GiB (1.6 of model, the rest buckets: the one being filled, two queued, one in
-flight and its flattened copy, then the naive path's 2 GiB shard buffer).
+2 naive round trips) 6-11 minutes, depending on other load. At 1B TP=2 a sync adds about 1.6 GiB on the
+sender rank 0 (the bucket being filled and two 512 MiB flat bucket buffers); the naive path's 2 GiB shard
+buffer comes on top later.
 """
 
 from __future__ import annotations
@@ -161,8 +163,8 @@ class Probe:
         return wrapper
 
     def install(self) -> None:
-        """Patch the sync module's view of the world, once, in this process only: the exporter, ``dist``
-        and the flatten."""
+        """Patch the sync module's view of the world, once, in this process only: the exporter, ``dist``,
+        the funnel receive and the flatten."""
         import rlsys.megatron.export as export
         import rlsys.sync.distributed as sd
         from rlsys.sync.buckets import Bucket
@@ -186,7 +188,6 @@ class Probe:
             def __init__(self, real):
                 self._real = real
                 self.broadcast = probe.timed("broadcast", real.broadcast)
-                self.recv = probe.timed("funnel_recv", real.recv)
 
             def __getattr__(self, name):
                 return getattr(self._real, name)
@@ -194,22 +195,23 @@ class Probe:
         sd.iter_hf_tensors = timed_iter
         export._gather = self.timed("gather", export._gather)  # looked up at call time by iter_hf_tensors
         sd.dist = TimedDist(sd.dist)
-        Bucket.flattened = self.timed("flatten", Bucket.flattened)
+        sd.recv_bucket = self.timed("funnel_recv", sd.recv_bucket)
+        Bucket.flattened = self.timed("flatten", Bucket.flattened)  # in _hand_over, on the main thread
 
     def attach(self, sync) -> None:
-        """Time one ``DistributedWeightSync``'s ``_add`` and ``_broadcast`` (instance attributes)."""
+        """Time one ``DistributedWeightSync``'s ``_hand_over`` and ``_broadcast`` (instance attributes)."""
         probe = self
-        sync._add = self.timed("pack_queue", sync._add)
+        sync._hand_over = self.timed("hand_over", sync._hand_over)
         original_broadcast = sync._broadcast
 
-        def broadcast_bucket(bucket):
-            before = probe.get("flatten") + probe.get("broadcast")
+        def broadcast_bucket(bucket, *args):
+            before = probe.get("broadcast")  # only this thread broadcasts
             start = time.perf_counter()
             try:
-                return original_broadcast(bucket)
+                return original_broadcast(bucket, *args)
             finally:
                 total = time.perf_counter() - start
-                probe.add("engine_reply", total - (probe.get("flatten") + probe.get("broadcast") - before))
+                probe.add("engine_reply", total - (probe.get("broadcast") - before))
                 with probe.lock:
                     probe.bucket_sizes.append(bucket.nbytes)
 
@@ -229,13 +231,42 @@ class Probe:
 
     def profile(self, seconds: float) -> dict:
         p = {
-            k: self.get(k)
-            for k in ("export", "gather", "pack_queue", "flatten", "broadcast", "engine_reply", "control")
+            k: self.get(k) for k in ("export", "gather", "hand_over", "flatten", "broadcast", "engine_reply", "control")
         }
-        p["funnel_recv"] = self.get("funnel_recv")  # receiver thread (PP), overlaps the main thread
-        p["funnel_wait_drain"] = max(0.0, seconds - p["export"] - p["pack_queue"] - p["control"])
-        p["sender_busy"] = p["flatten"] + p["broadcast"] + p["engine_reply"]
+        p["funnel_recv"] = self.get("funnel_recv")  # main thread, after its own buckets (PP)
+        p["wait_drain"] = max(0.0, seconds - p["export"] - p["hand_over"] - p["funnel_recv"] - p["control"])
+        p["sender_busy"] = p["broadcast"] + p["engine_reply"]
         return p
+
+
+class RssGrowth:
+    """How far this process's resident memory rose above where it was when the block began (sampled every
+    10 ms): what a sync allocates on top of the model, its kept buffers included when it is the first."""
+
+    def __enter__(self):
+        self.start = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def gib(self) -> float:
+        return (self.peak - self.start) / 2**30
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, self._rss())
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 # ---- the trainer ranks ---------------------------------------------------------------------------------
@@ -300,7 +331,10 @@ def _trainer(hf_dir: str, layout: dict, url: str, dtype: str, args, work_dir: st
         if rank0:
             probe.attach(sync)
             probe.reset()
-        warm = sync.sync(model.chunks)  # creates the group with the engine; not timed
+        with RssGrowth() as mem:
+            warm = sync.sync(model.chunks)  # creates the group with the engine; not timed
+        growth = [None] * dist.get_world_size()
+        dist.all_gather_object(growth, mem.gib)
         sizes = [probe.bucket_sizes if rank0 else None]
         dist.broadcast_object_list(sizes, src=0)
         sizes = sizes[0]
@@ -308,6 +342,7 @@ def _trainer(hf_dir: str, layout: dict, url: str, dtype: str, args, work_dir: st
         if rank0:
             buf.random_(0, 255)
         runs = dict(ours=[], raw=[], wire=[], profiles=[], warmup_s=warm.seconds)
+        runs.update(sync_mem_gib=growth, peak_buckets=warm.peak_buckets)
         for _ in range(args.repeats):
             dist.barrier()
             if rank0:
@@ -424,6 +459,8 @@ def summarize(size: str, params: int, layout: str, bucket_mb: str, runs: dict, n
         naive_over_ours=naive_s / ours if naive_s else None,
         naive_fsync_over_ours=naive_fsync / ours if naive_fsync else None,
         profile_median_sync=runs["profiles"][by_time[len(by_time) // 2]],
+        peak_buckets=runs["peak_buckets"],
+        sync_mem_gib=runs["sync_mem_gib"],
         repeats=dict(ours=runs["ours"], raw=runs["raw"], wire=runs["wire"], naive=naive, warmup_s=runs["warmup_s"]),
     )
     if naive and naive[0]["bytes"] != nbytes:
@@ -447,22 +484,27 @@ def print_tables(rows: list[dict]) -> None:
         )
     print("\nwhere a sync's time goes on the sender (median repeat, seconds; the two threads overlap):")
     print(
-        f"{'model':5s} {'layout':6s} {'bucket':>6s} {'sync':>6s} | {'export':>6s} {'gather':>6s} {'pack+q':>6s} "
-        f"{'funnel':>6s} {'ctrl':>5s} | {'flatten':>7s} {'bcast':>6s} {'eng.rep':>7s} {'busy':>6s}"
+        f"{'model':5s} {'layout':6s} {'bucket':>6s} {'sync':>6s} | {'export':>6s} {'gather':>6s} {'hand':>5s} "
+        f"{'flatten':>7s} {'funnel':>6s} {'wait':>5s} {'ctrl':>5s} | {'bcast':>6s} {'eng.rep':>7s} {'busy':>6s} | "
+        f"{'peak':>4s} {'mem GiB':>9s}"
     )
     for r in rows:
         p = r["profile_median_sync"]
+        mem = "/".join(f"{g:.2f}" for g in r["sync_mem_gib"])
         print(
             f"{r['model']:5s} {r['layout']:6s} {r['bucket_mb']:6g} {r['ours_s']:6.2f} | {p['export']:6.2f} "
-            f"{p['gather']:6.2f} {p['pack_queue']:6.2f} {p['funnel_wait_drain']:6.2f} {p['control']:5.2f} | "
-            f"{p['flatten']:7.2f} {p['broadcast']:6.2f} {p['engine_reply']:7.2f} {p['sender_busy']:6.2f}"
+            f"{p['gather']:6.2f} {p['hand_over']:5.2f} {p['flatten']:7.2f} {p['funnel_recv']:6.2f} "
+            f"{p['wait_drain']:5.2f} {p['control']:5.2f} | {p['broadcast']:6.2f} {p['engine_reply']:7.2f} "
+            f"{p['sender_busy']:6.2f} | {r['peak_buckets']:4d} {mem:>9s}"
         )
     print(
-        "main thread: export = in iter_hf_tensors, of which gather = TP all-gathers (the rest: HF conversion);\n"
-        "  pack+q = bucketing and waiting for the 2-deep queue; funnel = waiting for PP stage 1's tensors and\n"
-        "  for the last broadcast; ctrl = pause/flush/continue. broadcast thread: flatten = Bucket.flattened\n"
-        "  copy; bcast = dist.broadcast; eng.rep = waiting for the engine's reply after the broadcast (its load);\n"
-        "  busy = flatten + bcast + eng.rep."
+        "main thread: export = in iter_hf_tensors, of which gather = TP gathers (the rest: HF conversion);\n"
+        "  hand = handing its own buckets over: flatten (the Bucket.flattened copy) + waiting for a free bucket\n"
+        "  slot; funnel = receiving PP stage 1's buckets (waiting for them included); wait = waiting for slots\n"
+        "  after received buckets and for the last broadcast; ctrl = pause/flush/continue. broadcast thread:\n"
+        "  bcast = dist.broadcast; eng.rep = waiting for the engine's reply after the broadcast (its load);\n"
+        "  busy = bcast + eng.rep. peak = most buckets alive at once on the sender; mem = resident memory\n"
+        "  the first sync added on rank 0 / rank 1 (kept buffers included)."
     )
 
 

@@ -1,15 +1,22 @@
-"""Packing HF-named tensors into size-bounded buckets, and the flattened wire format.
+"""Packing HF-named tensors into size-bounded buckets, the flattened wire format, and handing buckets
+from the thread that fills them to the thread that sends them.
 
 ``flattened_bucket`` (SGLang's ``FlattenedTensorBucket``) is one uint8 tensor: the bytes of every
 tensor of the bucket, in order, concatenated. The receiver allocates the listed tensors and
-reinterprets slices of the flat buffer, so one broadcast replaces one per tensor.
+reinterprets slices of the flat buffer, so one broadcast replaces one per tensor. ``send_bucket`` /
+``recv_bucket`` move a bucket in that format between two ranks (a JSON header, then the bytes).
 """
 
 from __future__ import annotations
 
+import json
+import queue
+import threading
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -22,6 +29,11 @@ class Bucket:
     names: list[str] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
+    flat: torch.Tensor | None = None  # set when the bucket arrived flattened: ``tensors`` are views into it
+
+    @classmethod
+    def from_flat(cls, names: list[str], flat: torch.Tensor, dtypes: list[str], shapes: list[list[int]]) -> Bucket:
+        return cls(list(names), unflatten(flat, dtypes, shapes), flat.numel(), flat)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         self.names.append(name)
@@ -40,15 +52,20 @@ class Bucket:
         """The same tensors, widest element type first, so every tensor starts at a byte offset
         its dtype can be viewed at (a receiver reinterprets the flat buffer in place)."""
         order = sorted(range(len(self.names)), key=lambda i: -self.tensors[i].element_size())
+        if order == list(range(len(order))):
+            return self  # keeps ``flat``: a received bucket was aligned by its sender
         return Bucket([self.names[i] for i in order], [self.tensors[i] for i in order], self.nbytes)
 
     def flattened(self, buffer: torch.Tensor | None = None) -> torch.Tensor:
-        """The bucket's bytes in order; written into ``buffer`` (reused across buckets) when it is large enough.
+        """The bucket's bytes in order: ``flat`` if it has one, else written into ``buffer`` (reused across
+        buckets, on any device) when it is large enough.
 
         Only reuse a buffer when nothing reads the previous flat tensor any more (a synchronous
         broadcast); IPC consumers read it after the call returns and need a fresh one.
         """
-        if buffer is None or buffer.numel() < self.nbytes or buffer.device != self.tensors[0].device:
+        if self.flat is not None:
+            return self.flat
+        if buffer is None or buffer.numel() < self.nbytes:
             return torch.cat([t.reshape(-1).view(torch.uint8) for t in self.tensors])
         out, offset = buffer[: self.nbytes], 0
         for t in self.tensors:
@@ -67,11 +84,15 @@ class Bucketer:
         self.bucket_bytes = bucket_bytes
         self.current = Bucket()
 
+    def closes(self, tensor: torch.Tensor) -> bool:
+        """Whether adding ``tensor`` would close the current bucket first."""
+        size = tensor.numel() * tensor.element_size()
+        return bool(self.current.names) and self.current.nbytes + size > self.bucket_bytes
+
     def add(self, name: str, tensor: torch.Tensor) -> Bucket | None:
         """Add a tensor; returns the bucket it closed, if adding it would overflow the current one."""
-        size = tensor.numel() * tensor.element_size()
         full = None
-        if self.current.names and self.current.nbytes + size > self.bucket_bytes:
+        if self.closes(tensor):
             full, self.current = self.current, Bucket()
         self.current.add(name, tensor)
         return full
@@ -92,3 +113,139 @@ def unflatten(flat: torch.Tensor, dtypes: list[str], shapes: list[list[int]]) ->
         out.append(flat[offset : offset + n].view(dt).reshape(shape))
         offset += n
     return out
+
+
+# ---- between two ranks: one JSON header and one flat uint8 tensor per bucket ---------------------------
+
+
+def send_bucket(bucket: Bucket, dst: int, group, buffer: torch.Tensor | None = None) -> None:
+    """Send a bucket, aligned, to ``dst`` over a gloo group.
+
+    The bytes are flattened into ``buffer`` (host memory: gloo sends from there), reusable at once because
+    ``dist.send`` returns only when the bytes have left.
+    """
+    bucket = bucket.aligned()
+    header = json.dumps([bucket.names, bucket.dtypes, bucket.shapes]).encode()
+    dist.send(torch.tensor([len(header), bucket.nbytes], dtype=torch.int64), dst=dst, group=group)
+    dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst=dst, group=group)
+    dist.send(bucket.flattened(buffer), dst=dst, group=group)
+
+
+def send_end(dst: int, group, failed: bool = False) -> None:
+    """End the stream of buckets to ``dst``; ``failed``: the sender could not send all of them."""
+    dist.send(torch.tensor([-1 if failed else 0, 0], dtype=torch.int64), dst=dst, group=group)
+
+
+def recv_bucket(src: int, group, buffer, timeout_s: float) -> Bucket | None:
+    """The next bucket ``send_bucket`` sent from ``src``, its bytes received into ``buffer(nbytes)`` (a uint8
+    host tensor of that size) and its tensors views into them; ``None`` at the end of the stream
+    (``send_end``), ``RuntimeError`` if the sender failed.
+
+    Each receive waits at most ``timeout_s`` and raises ``TimeoutError`` after that (a timed-out gloo
+    receive also closes the connection to ``src``: the group is unusable afterwards).
+    """
+
+    def recv(t: torch.Tensor) -> torch.Tensor:
+        try:
+            dist.irecv(t, src=src, group=group).wait(timeout=timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            if "Timed out" in str(e):
+                raise TimeoutError(f"rank {src} sent no weights for {timeout_s:g}s") from e
+            raise
+        return t
+
+    header_bytes, nbytes = recv(torch.empty(2, dtype=torch.int64)).tolist()
+    if header_bytes < 0:
+        raise RuntimeError(f"rank {src} failed while exporting its weights (its own error says why)")
+    if header_bytes == 0:
+        return None
+    names, dtypes, shapes = json.loads(recv(torch.empty(header_bytes, dtype=torch.uint8)).numpy().tobytes())
+    return Bucket.from_flat(names, recv(buffer(nbytes)), dtypes, shapes)
+
+
+# ---- between two threads -----------------------------------------------------------------------------------
+
+
+class Handoff:
+    """Hands buckets from the thread that fills them to a thread that runs ``consume(bucket, slot)`` on each,
+    in order, with at most ``depth`` buckets alive: a bucket is alive from when it starts filling (or
+    receiving) until ``consume`` has returned for it.
+
+    Each alive bucket owns one of ``depth`` *slots*, so a buffer kept per slot (a flattened copy, a receive
+    buffer) is never written for one bucket while another still reads it. The producer fills the bucket of
+    ``slot``; ``put`` hands that bucket over and then waits for a free slot for the next one, so the producer
+    is never more than one bucket ahead of the consumer. An error in ``consume`` skips the remaining buckets
+    and is raised in the producer by the next ``put`` and by ``close``.
+
+    ``begin`` (called by the producer when a bucket starts) and the consumer's end of each bucket count the
+    alive buckets; ``peak`` is the most there were at once.
+    """
+
+    def __init__(self, consume, depth: int = 2, timeout_s: float | None = None):
+        self._consume, self.depth, self.timeout_s = consume, depth, timeout_s
+        self._free: queue.Queue = queue.Queue()
+        for s in range(depth):
+            self._free.put(s)
+        self._work: queue.Queue = queue.Queue()  # never holds more than ``depth`` buckets: the slots bound it
+        self._lock = threading.Lock()
+        self.alive = self.peak = 0
+        self._begun = False
+        self.error: BaseException | None = None
+        self._abort = False
+        self.slot = self._reserve()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def begin(self) -> None:
+        if not self._begun:
+            self._begun = True
+            with self._lock:
+                self.alive += 1
+                self.peak = max(self.peak, self.alive)
+
+    def put(self, bucket: Bucket) -> None:
+        self.begin()  # no-op when the producer said so when the bucket started, as it should
+        self._work.put((bucket, self.slot))
+        self._begun, self.slot = False, None
+        self.slot = self._reserve()
+
+    def close(self, abort: bool = False) -> None:
+        """Wait until every bucket handed over is consumed (``abort``: skipped), then raise the consumer's error.
+
+        Each bucket may take ``timeout_s`` before ``TimeoutError``, as in ``put``.
+        """
+        self._abort = abort
+        self._work.put(None)
+        if self.slot is not None:  # None when waiting for it failed
+            self._free.put(self.slot)
+            self.slot = None
+        for _ in range(self.depth):  # every slot back: every bucket is done
+            self._reserve()
+        self._thread.join()
+
+    def _reserve(self) -> int:
+        self._raise()
+        try:
+            slot = self._free.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"a weight bucket took over {self.timeout_s:g}s to send") from None
+        self._raise()
+        return slot
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        while (item := self._work.get()) is not None:
+            bucket, slot = item
+            try:
+                if self.error is None and not self._abort:
+                    self._consume(bucket, slot)
+            except BaseException as e:
+                self.error = e
+            finally:
+                del bucket, item  # drop the last reference before the slot is reused
+                with self._lock:
+                    self.alive -= 1
+                self._free.put(slot)

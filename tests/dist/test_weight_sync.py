@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import time
 
 import pytest
 import requests
@@ -42,6 +43,8 @@ def _trainer(hf_dir, layout, urls, engine_tp, opts, out_dir):
     clients = [EngineClient(u, timeout_s=60) for u in urls] if rank0 else []
     if rank0 and opts.get("kill_on_bucket"):
         clients[0] = _KillOnBucket(clients[0], opts["engine_pid"], opts["kill_on_bucket"])
+    if rank0 and opts.get("slow_engine_s"):
+        clients = [_SlowEngine(c, opts["slow_engine_s"]) for c in clients]
     sync = DistributedWeightSync(
         topo,
         worker.engine.arch,
@@ -52,14 +55,23 @@ def _trainer(hf_dir, layout, urls, engine_tp, opts, out_dir):
         backend="gloo",
         master_address="127.0.0.1",
         timeout_s=opts.get("timeout_s", 60),
+        verify=opts.get("verify", False),
     )
     result = {}
     try:
         stats = sync.sync(worker.engine.chunks)
-        result.update(bytes=stats.bytes, buckets=stats.buckets, tensors=stats.tensors, seconds=stats.seconds)
+        result.update(
+            bytes=stats.bytes,
+            buckets=stats.buckets,
+            tensors=stats.tensors,
+            seconds=stats.seconds,
+            peak_buckets=stats.peak_buckets,
+        )
     except Exception as e:  # the test inspects how a failed sync reports
         result["error"] = f"{type(e).__name__}: {e}"
-    if opts.get("logprobs") and "error" not in result:
+    failed = ["error" in result]
+    dist.broadcast_object_list(failed, src=0)  # a sender's error (verify, a dead engine) stops every rank here
+    if opts.get("logprobs") and not failed[0]:
         # the engine samples; the trainer scores the same tokens: the rollout/logprob_diff metric
         sample = [None]
         if rank0:
@@ -72,7 +84,7 @@ def _trainer(hf_dir, layout, urls, engine_tp, opts, out_dir):
         if ours is not None and topo.tp_rank == 0:
             diffs = [(a - torch.tensor(lp)).abs().max().item() for a, (_, _, lp) in zip(ours["logp"], sample[0])]
             result["logprob_diff_max"] = max(diffs)
-    if rank0 or "logprob_diff_max" in result:
+    if rank0 or dist.get_rank() in sync.writers or "logprob_diff_max" in result:
         with open(os.path.join(out_dir, f"{dist.get_rank()}.json"), "w") as f:
             json.dump(result, f)
     sync.disconnect()
@@ -91,6 +103,21 @@ class _KillOnBucket:
         self.calls += 1
         if self.calls == self.n:
             os.kill(self.pid, signal.SIGKILL)
+        return self.client.update_weights_from_distributed(*args, **kwargs)
+
+
+class _SlowEngine:
+    """A real client whose engine takes ``delay_s`` longer per bucket: a sender that ignored the bound on
+    alive buckets would run ahead of it."""
+
+    def __init__(self, client, delay_s):
+        self.client, self.delay_s = client, delay_s
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def update_weights_from_distributed(self, *args, **kwargs):
+        time.sleep(self.delay_s)
         return self.client.update_weights_from_distributed(*args, **kwargs)
 
 
@@ -131,8 +158,10 @@ def engine_checksums(url):
     "model_type,layout,opts",
     [
         ("qwen2", {"tp": 2}, {}),  # tied embeddings, vocab padded for TP then trimmed
-        ("qwen3", {"pp": 2}, {"load_format": "per_tensor"}),  # two writers funnel into one sender
-        ("qwen3_moe", {"ep": 2}, {"bucket_mb": 0.005}),  # experts from both EP ranks, buckets < largest tensor
+        # two writers funnel buckets into one sender, which verifies what it received too
+        ("qwen3", {"pp": 2}, {"load_format": "per_tensor", "verify": True}),
+        # experts from both EP ranks, buckets < largest tensor, an engine slower than the export
+        ("qwen3_moe", {"ep": 2}, {"bucket_mb": 0.005, "verify": True, "slow_engine_s": 0.02}),
     ],
     ids=["qwen2-tp2", "qwen3-pp2-per-tensor", "qwen3_moe-ep2"],
 )
@@ -145,6 +174,11 @@ def test_sync_makes_every_engine_tensor_equal_the_trainers(
     sender = reports[0]
     assert "error" not in sender, sender
     assert sender["buckets"] > 1 and sender["tensors"] > 0
+    writers = [r for r in reports if "peak_buckets" in r]
+    assert len(writers) == (1 if layout.get("tp") else 2)
+    assert all(1 <= r["peak_buckets"] <= 2 for r in writers), writers  # one filled or received, one sent
+    if opts.get("slow_engine_s"):
+        assert sender["peak_buckets"] == 2  # and it did fill the next bucket during a broadcast
     with open(os.path.join(hf, "config.json")) as f:
         tied = json.load(f).get("tie_word_embeddings", False)
     want = checkpoint_checksums(hf, tied)
@@ -172,3 +206,64 @@ def test_engine_killed_mid_sync_is_reported_and_a_restarted_engine_resyncs(tiny_
         assert engine_checksums(victim_url) == checkpoint_checksums(hf, False)
     finally:
         victim.kill()
+
+
+def _funnel(out_dir):
+    """Rank 1 sends buckets the way a PP/EP writer does; rank 0 receives them as the sender does."""
+    import torch.distributed as dist
+
+    from rlsys.sync.buckets import Bucketer, recv_bucket, send_bucket, send_end
+    from rlsys.sync.fp8 import quantize_named_tensors
+
+    group = dist.new_group([0, 1], backend="gloo")
+    gen = torch.Generator().manual_seed(0)
+    named = [("norm", torch.randn(7, generator=gen).to(torch.bfloat16)), ("ids", torch.arange(5))]
+    named += quantize_named_tensors([("mlp.down_proj.weight", torch.randn(256, 130, generator=gen))])
+    named.append(("lm_head", torch.randn(11, 3, generator=gen)))
+    bucketer = Bucketer(bucket_bytes=30_000)  # the FP8 weight (33 kB) goes alone
+    buckets = [b for n, t in named if (b := bucketer.add(n, t)) is not None] + [bucketer.flush()]
+    result = {}
+    if dist.get_rank() == 1:
+        buffer = torch.empty(1 << 20, dtype=torch.uint8)
+        for b in buckets:
+            send_bucket(b, 0, group, buffer)  # one buffer for all: each send returns when the bytes are out
+        send_end(0, group)
+        send_end(0, group, failed=True)
+    else:
+        got, buffers = [], [torch.empty(1 << 20, dtype=torch.uint8) for _ in buckets]
+        while (b := recv_bucket(1, group, lambda n: buffers[len(got)][:n], timeout_s=30)) is not None:
+            got.append(b)
+        want = dict(named)
+        result["names"] = [b.names for b in got]
+        result["dtypes"] = [b.dtypes for b in got]
+        result["equal"] = all(
+            t.dtype == want[n].dtype and torch.equal(t.view(torch.uint8), want[n].view(torch.uint8))
+            for b in got
+            for n, t in zip(b.names, b.tensors)
+        )
+        result["views"] = all(b.flat.data_ptr() == buffers[i].data_ptr() for i, b in enumerate(got))
+        try:
+            recv_bucket(1, group, lambda n: buffers[0][:n], timeout_s=30)
+        except RuntimeError as e:
+            result["failed"] = str(e)
+        start = time.perf_counter()
+        try:
+            recv_bucket(1, group, lambda n: buffers[0][:n], timeout_s=0.5)
+        except TimeoutError as e:
+            result["timeout"] = [str(e), time.perf_counter() - start]
+        with open(os.path.join(out_dir, "funnel.json"), "w") as f:
+            json.dump(result, f)
+    dist.barrier()  # rank 1 stays connected until rank 0 has timed out on it
+
+
+def test_funnel_moves_whole_buckets_reports_a_failed_writer_and_times_out(tmp_path):
+    run_on_ranks(_funnel, 2, "cpu", str(tmp_path))
+    result = json.loads((tmp_path / "funnel.json").read_text())
+    # aligned per bucket (8-byte ids before 4-byte floats before 2-byte norm), fp8 weight and its scales intact
+    down, scale = "mlp.down_proj.weight", "mlp.down_proj.weight_scale_inv"
+    assert result["names"] == [["ids", "norm"], [down], [scale, "lm_head"]]
+    assert result["dtypes"] == [["int64", "bfloat16"], ["float8_e4m3fn"], ["float32", "float32"]]
+    assert result["equal"] and result["views"]
+    assert "rank 1 failed" in result["failed"]
+    message, waited = result["timeout"]
+    assert "rank 1 sent no weights for 0.5s" in message and waited < 10

@@ -1,7 +1,10 @@
+import threading
+import time
+
 import pytest
 import torch
 
-from rlsys.sync.buckets import Bucketer, dtype_name, unflatten
+from rlsys.sync.buckets import Bucket, Bucketer, Handoff, dtype_name, unflatten
 
 
 def test_bucketer_bounds_and_order():
@@ -49,3 +52,87 @@ def test_flattened_into_a_reused_buffer_matches_a_fresh_one():
     flat = bucket.flattened(buffer)
     assert flat.data_ptr() == buffer.data_ptr() and torch.equal(flat, bucket.flattened())
     assert bucket.flattened(torch.zeros(3, dtype=torch.uint8)).numel() == bucket.nbytes  # too small: a fresh one
+
+
+def test_a_received_bucket_is_already_flat_and_aligned():
+    b = Bucketer(1 << 20)
+    b.add("h", torch.randn(3).to(torch.bfloat16))
+    b.add("f", torch.randn(2, 2))
+    sent = b.flush().aligned()
+    flat = sent.flattened().clone()
+    got = Bucket.from_flat(sent.names, flat, sent.dtypes, sent.shapes)
+    assert got.aligned() is got and got.flattened(torch.zeros(100, dtype=torch.uint8)) is flat  # no copy
+    assert got.tensors[0].data_ptr() == flat.data_ptr()  # views into the received bytes
+    assert got.names == ["f", "h"] and all(torch.equal(x, y) for x, y in zip(got.tensors, sent.tensors))
+
+
+def test_closes_agrees_with_add():
+    b = Bucketer(bucket_bytes=100)
+    assert not b.closes(torch.zeros(50))  # an empty bucket takes anything
+    b.add("a", torch.zeros(20))  # 80 B
+    assert not b.closes(torch.zeros(5)) and b.closes(torch.zeros(6))
+    assert b.add("b", torch.zeros(6)).names == ["a"]
+
+
+class _Producer:
+    """Fills buckets for a ``Handoff`` and counts, on its own, the buckets alive: from the first tensor
+    until the consumer is done with it."""
+
+    def __init__(self, consume_s: float = 0.0, fail_at: int | None = None):
+        self.lock = threading.Lock()
+        self.alive = self.peak = 0
+        self.consumed, self.slots_in_use = [], set()
+        self.consume_s, self.fail_at = consume_s, fail_at
+
+    def consume(self, bucket, slot):
+        with self.lock:
+            assert slot not in self.slots_in_use, "a slot's buffer would be written while in use"
+            self.slots_in_use.add(slot)
+        time.sleep(self.consume_s)
+        if bucket.names[0] == self.fail_at:
+            raise ConnectionError("engine gone")
+        with self.lock:
+            self.consumed.append(bucket.names[0])
+            self.alive -= 1
+            self.slots_in_use.discard(slot)
+
+    def run(self, handoff, n: int) -> None:
+        for i in range(n):
+            with self.lock:
+                assert handoff.slot not in self.slots_in_use
+                self.alive += 1
+                self.peak = max(self.peak, self.alive)
+            handoff.begin()
+            bucket = Bucket()
+            bucket.add(i, torch.zeros(4))
+            handoff.put(bucket)
+
+
+def test_handoff_keeps_two_buckets_alive_with_a_slow_consumer():
+    p = _Producer(consume_s=0.02)
+    handoff = Handoff(p.consume, depth=2, timeout_s=10)
+    p.run(handoff, 12)
+    handoff.close()
+    assert p.consumed == list(range(12))  # in order, all of them
+    assert p.peak == 2 and handoff.peak == 2  # the producer ran one bucket ahead, never two
+
+
+def test_handoff_surfaces_the_consumer_error_in_the_producer():
+    p = _Producer(fail_at=3)
+    handoff = Handoff(p.consume, depth=2, timeout_s=10)
+    with pytest.raises(ConnectionError, match="engine gone"):
+        p.run(handoff, 50)  # raises as soon as the producer hands over or waits again
+    with pytest.raises(ConnectionError):
+        handoff.close()
+    assert p.consumed == [0, 1, 2]
+
+
+def test_handoff_times_out_on_a_stuck_consumer():
+    release = threading.Event()
+    handoff = Handoff(lambda bucket, slot: release.wait(), depth=2, timeout_s=0.2)
+    handoff.put(Bucket(["a"]))
+    start = time.perf_counter()
+    with pytest.raises(TimeoutError, match="0.2s"):
+        handoff.put(Bucket(["b"]))  # the first is still being consumed: no slot for a third
+    assert time.perf_counter() - start < 5
+    release.set()
