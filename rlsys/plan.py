@@ -51,7 +51,10 @@ def rollout_devices(cfg: RunConfig) -> int:
 
 
 def enabled_roles(cfg: RunConfig) -> list[str]:
-    return [r for r in ROLES if getattr(cfg, r).enabled]
+    """The Megatron roles a run builds: the actor, the critic if enabled, and the reference model if
+    enabled and some KL term uses it (with ``algorithm.kl_coef: 0`` it would compute log-probs for nothing)."""
+    uses_ref = cfg.algorithm.kl_coef > 0
+    return [r for r in ROLES if getattr(cfg, r).enabled and (r != "ref" or uses_ref)]
 
 
 def role_world_sizes(cfg: RunConfig) -> dict[str, int]:

@@ -25,6 +25,7 @@ from rlsys.algorithms import (
 )
 from rlsys.algorithms import kl as kl_estimate
 from rlsys.config import RunConfig, config_to_dict
+from rlsys.plan import enabled_roles
 from rlsys.trainer import rollout
 from rlsys.trainer.advantage import compute_advantages
 from rlsys.trainer.colocation import Turns
@@ -87,10 +88,9 @@ def _run(cfg: RunConfig, mode: str, replay, last_step: int, prompts, model_dir: 
         )
     total_steps = cfg.trainer.steps * algo.ppo_epochs * algo.mini_batches_per_step
     groups = {}
-    for role in ("actor", "ref", "critic") if mode != "rollout" else ():
-        if role == "actor" or getattr(cfg, role).enabled:
-            spec = role_spec(cfg, role, model_dir, total_steps)
-            groups[role] = RoleGroup(role, spec["world"], spec, use_ray=use_ray, placement=placement)
+    for role in enabled_roles(cfg) if mode != "rollout" else ():
+        spec = role_spec(cfg, role, model_dir, total_steps)
+        groups[role] = RoleGroup(role, spec["world"], spec, use_ray=use_ray, placement=placement)
     actor, critic = groups.get("actor"), groups.get("critic")
     syncing = actor is not None and engines is not None
     if syncing:
@@ -117,12 +117,19 @@ def _run(cfg: RunConfig, mode: str, replay, last_step: int, prompts, model_dir: 
     if start:
         logger.resume(start)
     progress = ProgressReporter(last_step, out_dir, cfg.logging, start_step=start)
-    version = [start + 1]
-    if syncing:  # engines serve the actor's weights (of the resumed step); a restarted engine gets them again
-        actor.sync_weights(version[0])
-        engines.on_restart = lambda _i: (actor.reconnect_sync(), actor.sync_weights(version[0]))
     offloaded = {role for role in groups if getattr(cfg, role).offload}
-    turns = Turns(groups, offloaded, engines, cfg.rollout.release_memory)
+    turns = Turns(groups, offloaded, engines, cfg.rollout.release_memory and syncing)
+    version = [start + 1]
+
+    def resync(_engine=None):  # engines serve the actor's weights (of the resumed step); so does a restarted one
+        with turns.on_device(actor):
+            if _engine is not None:
+                actor.reconnect_sync()
+            actor.sync_weights(version[0])
+
+    if syncing:
+        resync()
+        engines.on_restart = resync
     stop_ids = [prompts.tokenizer.eos_token_id]
     history = []
 

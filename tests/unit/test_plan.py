@@ -6,7 +6,7 @@ import pytest
 
 from rlsys.config import load_config
 from rlsys.convert.hf_config import arch_from_dict
-from rlsys.plan import build_plan, model_arch, rank_coords, render_plan, role_grid
+from rlsys.plan import build_plan, enabled_roles, model_arch, rank_coords, render_plan, role_grid
 from rlsys.sizing import RoleShape, count_params, estimate_memory, stage_layers, stage_params
 
 TINY_QWEN2 = [
@@ -127,6 +127,12 @@ def test_disaggregated_placement():
     assert plan.role("ref").ranks[0].node == 0
     assert (plan.role("critic").ranks[0].node, plan.role("critic").ranks[0].device) == (2, 0)
     assert plan.engines[0].devices == ((3, 0), (3, 1))
+
+
+def test_the_reference_model_is_built_only_for_a_kl_term():
+    assert enabled_roles(load_config(None, [*TINY_QWEN2, "algorithm.kl_coef=0.001"])) == ["actor", "ref"]
+    cfg, plan = _plan([*TINY_QWEN2, "algorithm.kl_coef=0"])
+    assert enabled_roles(cfg) == ["actor"] and [r.name for r in plan.roles] == ["actor"]
 
 
 def test_uneven_pipeline_stages():
