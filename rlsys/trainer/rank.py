@@ -12,6 +12,9 @@ import socket
 
 import torch
 
+_RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+_driver_env: dict | None = None  # the process's rendezvous variables before the first rank joined
+
 
 class RankWorker:
     def address(self) -> tuple[str, int]:
@@ -24,6 +27,9 @@ class RankWorker:
         """Join the role's process group, build the topology and the model from ``spec``."""
         from rlsys.topology import build_topology, init_distributed
 
+        global _driver_env
+        if _driver_env is None:  # in the no-Ray mode this is the driver's process: shutdown() gives it back
+            _driver_env = {k: os.environ.get(k) for k in _RENDEZVOUS_ENV}
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank), WORLD_SIZE=str(world))
         os.environ.setdefault("LOCAL_RANK", str(rank))
         torch.set_num_threads(spec.get("threads", 1))  # ranks share the host's cores
@@ -140,6 +146,13 @@ class RankWorker:
 
         if self.sync is not None:
             self.sync.disconnect()
+        global _driver_env
         destroy_topology()
         if dist.is_initialized():
             dist.destroy_process_group()
+        for key, value in (_driver_env or {}).items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        _driver_env = None

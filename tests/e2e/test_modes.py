@@ -44,6 +44,15 @@ def run(tmp_path, name, steps, *overrides, mode="full", replay_dir=None):
     return train(cfg, use_ray=False, mode=mode, replay_dir=replay_dir)
 
 
+@pytest.fixture(autouse=True)
+def driver_environment_is_left_as_found():
+    """Ranks run in this (the driver's) process here: their rendezvous variables must not leak out,
+    or later torchrun launches in the same process would inherit a stale MASTER_PORT."""
+    before = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    yield
+    assert {k: os.environ.get(k) for k in before} == before
+
+
 def finite(m: dict) -> bool:
     return all(math.isfinite(v) for k, v in m.items() if isinstance(v, float) and k != "rollout/weight_version")
 
