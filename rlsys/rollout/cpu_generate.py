@@ -211,33 +211,25 @@ class Generator:
     def run(self, s: Sample, between_tokens) -> dict:
         """Generate one sample. ``between_tokens(s)`` returns "continue", "recompute" (retract: the KV cache
         is rebuilt with the current weights) or "abort"."""
-        tic, p, prompt = time.time(), s.params, s.prompt_ids
-        gen = torch.Generator().manual_seed(s.seed)
-        max_new, stop_ids = self._limits(s)
-        out, lps, tops, input_lps, cache = [], [], [], None, None
-        finish = {"type": "length", "length": max_new} if max_new <= 0 else None
+        tic, prompt = time.time(), s.prompt_ids
+        q = _Seq(s, torch.Generator().manual_seed(s.seed), *self._limits(s))
+        input_lps, cache = None, None
+        if q.max_new <= 0:
+            q.finish = {"type": "length", "length": q.max_new}
         with torch.no_grad():
-            while finish is None:
+            while q.finish is None:
                 action = between_tokens(s)
                 if action == "abort":
-                    finish = {"type": "abort", "message": "Request aborted."}
+                    q.finish = {"type": "abort", "message": "Request aborted."}
                     break
                 if action == "recompute":
                     cache = None
                 need_input = s.return_logprob and s.logprob_start_len >= 0 and input_lps is None
-                logits, cache = self._forward(prompt + out if cache is None else out[-1:], cache, need_input)
+                logits, cache = self._forward(prompt + q.out if cache is None else q.out[-1:], cache, need_input)
                 if need_input:
                     input_lps = self._input_logprobs(logits, s)
-                row = logits[-1]
-                if len(out) < p.min_new_tokens and stop_ids:
-                    row[[t for t in stop_ids if t < row.numel()]] = float("-inf")
-                token, logprobs = sample_token(row, p, gen)
-                out.append(token)
-                lps.append(float(logprobs[token]))
-                if s.top_logprobs_num > 0:
-                    tops.append(_top(logprobs, s.top_logprobs_num))
-                finish = self._finish(out, p, stop_ids, max_new)
-        return self._response(s, out, lps, tops, input_lps, finish, time.time() - tic)
+                self._step(q, logits[-1])
+        return self._response(s, q.out, q.lps, q.tops, input_lps, q.finish, time.time() - tic)
 
     def can_batch(self, s: Sample) -> bool:
         """Whether ``run_batch`` serves this sample. Sequential ``run`` instead for input log-probs
@@ -321,7 +313,7 @@ class Generator:
         return out.logits[:, -1].float(), getattr(out, self.cache_kwarg)
 
     def _step(self, q: _Seq, row: torch.Tensor) -> None:
-        """Sample one token for ``q`` from its row of logits, as ``run`` does."""
+        """Sample ``q``'s next token from its row of logits (stop tokens masked until ``min_new_tokens``)."""
         p = q.s.params
         if len(q.out) < p.min_new_tokens and q.stop_ids:
             row[[t for t in q.stop_ids if t < row.numel()]] = float("-inf")
@@ -391,7 +383,7 @@ class Generator:
 
 @dataclass
 class _Seq:
-    """A sample's state in ``Generator.run_batch``."""
+    """A sample's state while it is generated (``Generator.run`` and ``run_batch``)."""
 
     s: Sample
     gen: torch.Generator
