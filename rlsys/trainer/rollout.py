@@ -25,8 +25,6 @@ from rlsys.rollout.servers import (
 if TYPE_CHECKING:
     from rlsys.trainer.placement import Placement
 
-_SGLANG_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
 
 @dataclass
 class Sample:
@@ -71,7 +69,7 @@ def start_engines(
             num_engines=cfg.num_engines,
             tp=cfg.tp,
             mem_fraction=cfg.mem_fraction,
-            dtype=_SGLANG_DTYPES[dtype],
+            dtype=dtype,  # sglang_command spells model.dtype as SGLang's --dtype
             seed=seed,
             python=cfg.sglang_python,
             enable_memory_saver=cfg.release_memory,
@@ -98,7 +96,7 @@ def _sglang_engine_command(cfg: RolloutConfig, model_dir: str, dtype: str, seed:
         cfg.tp,
         port,
         cfg.mem_fraction,
-        _SGLANG_DTYPES[dtype],
+        dtype,
         seed,
         python=cfg.sglang_python,
         host=host,
