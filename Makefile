@@ -23,12 +23,14 @@ endif
 	$(PY) -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
-# The whole CPU suite: unit tests plus the multi-process (gloo) tests. The SGLang contract
-# environment (sglang's request classes, without its CUDA torch) is built once; offline it is
-# skipped and the contract test says why.
+# The whole CPU suite: unit tests, the multi-process (gloo) tests, and the tests against the real
+# SGLang server (CPU backend, built from ../shared/sglang-cpu where this CPU has AVX-512 BF16). The
+# SGLang contract environment (sglang's request classes, without its CUDA torch) is built once.
+# Whatever cannot be built here is skipped, and -rs prints each skip's reason in the summary.
 test: install
 	@bash tests/contract/setup_sglang_contract.sh
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	@bash tests/sglang/setup_sglang_cpu.sh
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS) tests
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests

@@ -124,6 +124,8 @@ class SyncConfig:
     bucket_mb: float = 512  # tensors per broadcast (and per engine receive buffer), in MiB
     load_format: Literal["flattened_bucket", "per_tensor"] = "flattened_bucket"  # one uint8 broadcast per bucket
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on cuda, gloo on cpu
+    # auto: update_weights_from_tensor into engines colocated on the first node, a broadcast group for the rest
+    transport: Literal["auto", "broadcast", "tensor"] = "auto"
     master_address: str | None = None  # address engines reach trainer rank 0 at; None = this host's
     timeout_s: float = 300.0  # bound on every HTTP call and collective of a sync
     verify: bool = False  # after each sync compare per-tensor checksums of every engine with the trainer's
@@ -137,10 +139,15 @@ class RolloutConfig:
     mem_fraction: float = 0.5  # share of device memory an engine may claim (static weights + KV cache)
     urls: list[str] = field(default_factory=list)  # attach to running servers instead of launching engines
     sglang_python: str = "python3"  # interpreter of SGLang's own environment (it pins its own torch)
+    sglang_args: list[str] = field(default_factory=list)  # appended to every SGLang server's command line
+    sglang_env: dict[str, str] = field(default_factory=dict)  # extra environment of SGLang servers
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # served dtype; auto: model.dtype (bf16 on SGLang CPU)
+    api_key: str | None = None  # engines' --api-key; None: a fresh one per run where engines leave loopback
     weight_dtype: Literal["auto", "fp8"] = "auto"  # fp8: block-quantized linear weights (engines serve an FP8 copy)
     # Colocated only: engines free their weights and KV cache while the trainer computes (SGLang
-    # --enable-memory-saver); the next weight sync writes the weights back.
-    release_memory: bool = False
+    # --enable-memory-saver); the next weight sync writes the weights back. None: on for engines rlsys
+    # launches colocated on GPUs (they share the memory with the trainer), off otherwise.
+    release_memory: bool | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
 
@@ -259,6 +266,14 @@ class LoggingConfig:
     sample_every: int = 10  # steps between printed sample generations; 0 = never
     num_samples: int = 2  # generations printed (and kept in samples.jsonl) each time
     sample_max_chars: int = 400  # per printed prompt/response
+
+
+def releases_engine_memory(cfg) -> bool:
+    """``rollout.release_memory`` resolved (see its comment)."""
+    r = cfg.rollout
+    if r.release_memory is not None:
+        return r.release_memory
+    return cfg.cluster.colocate and not r.urls and cfg.cluster.device == "cuda"
 
 
 @dataclass
@@ -438,7 +453,7 @@ def _check_cross_section(cfg: RunConfig) -> None:
         _need(cfg.critic.enabled, "critic.enabled", False, "algorithm 'ppo' needs a critic (GAE)")
     if a.critic_warmup_steps:
         _need(cfg.critic.enabled, "algorithm.critic_warmup_steps", a.critic_warmup_steps, "needs critic.enabled: true")
-    if cfg.rollout.release_memory:
+    if cfg.rollout.release_memory is True:
         _need(
             cfg.cluster.colocate and not cfg.rollout.urls,
             "rollout.release_memory",
@@ -467,11 +482,4 @@ def _check_cross_section(cfg: RunConfig) -> None:
             f"{role}.batch.max_tokens_per_microbatch",
             budget,
             f"a micro batch must hold one whole sequence (data.max_prompt_len + sampling.max_new_tokens = {seq})",
-        )
-    if cfg.cluster.device == "cpu":
-        _need(
-            cfg.rollout.engine == "cpu" or cfg.rollout.urls,
-            "rollout.engine",
-            cfg.rollout.engine,
-            "cluster.device 'cpu' cannot launch SGLang engines: use engine 'cpu' or attach with rollout.urls",
         )

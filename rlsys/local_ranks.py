@@ -25,6 +25,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def node_address() -> str:
+    """The address other nodes reach this process at: Ray's IP of this node inside a Ray worker or driver
+    (what the engines' hosts and the placement use too), else the launcher's ``MASTER_ADDR``, else loopback.
+    Not ``gethostbyname(gethostname())``: on many machines that is a loopback alias no other node can reach."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return os.environ.get("MASTER_ADDR") or "127.0.0.1"
+
+
 def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("WORLD_SIZE" in os.environ and "RANK" in os.environ)
 

@@ -282,6 +282,37 @@ def _check_rollout(cfg: RunConfig, arch: ModelArch) -> None:
         )
 
 
+def sync_transports(cfg: RunConfig) -> list[str]:
+    """How each engine receives the weights (``rlsys.sync.distributed``): ``tensor`` (colocated:
+    ``update_weights_from_tensor``, CUDA IPC on GPU, shared memory on CPU) or ``broadcast`` (a weight-update
+    group). The sender is actor rank 0, on device 0, so ``tensor`` reaches only engines on the first node."""
+    r, per_node = cfg.rollout, cfg.cluster.devices_per_node
+    if r.urls:  # attached engines: where they run is unknown, a group reaches them anywhere
+        if r.sync.transport == "tensor":
+            raise ConfigError("rollout.sync.transport", "'tensor' is invalid with rollout.urls: use broadcast")
+        return ["broadcast"] * len(r.urls)
+    first_node = [(i * r.tp + r.tp - 1) < per_node for i in range(r.num_engines)]
+    if r.sync.transport == "broadcast":
+        if cfg.cluster.colocate and cfg.cluster.device == "cuda":
+            raise ConfigError(
+                "rollout.sync.transport",
+                "'broadcast' is invalid with cluster.colocate on cuda: engine 0 shares GPU 0 with actor rank 0, and "
+                "NCCL refuses a group with two ranks on one GPU; use 'auto' (update_weights_from_tensor there)",
+            )
+        return ["broadcast"] * r.num_engines
+    if r.sync.transport == "tensor":
+        if not cfg.cluster.colocate or not all(first_node):
+            raise ConfigError(
+                "rollout.sync.transport",
+                "'tensor' is invalid here: it needs every engine colocated on the first node (cluster.colocate: true, "
+                f"engines within the first {per_node} devices); use 'auto'",
+            )
+        return ["tensor"] * r.num_engines
+    if not cfg.cluster.colocate:
+        return ["broadcast"] * r.num_engines
+    return ["tensor" if local else "broadcast" for local in first_node]
+
+
 def sequence_length(cfg: RunConfig) -> int:
     return cfg.data.max_prompt_len + cfg.rollout.sampling.max_new_tokens
 
@@ -293,6 +324,7 @@ def validate_layout(cfg: RunConfig, arch: ModelArch) -> None:
     for name, size in sizes.items():
         _check_role(name, getattr(cfg, name), size, arch, cfg)
     _check_rollout(cfg, arch)
+    sync_transports(cfg)
 
 
 # --------------------------------------------------------------------- plan

@@ -8,9 +8,10 @@ bounds the whole call. Payloads and reply parsing live in ``rlsys.rollout.protoc
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -38,7 +39,8 @@ class EngineError(RuntimeError):
 class EngineClient:
     """One engine at ``url``. ``timeout_s`` bounds control and weight calls, ``generate_timeout_s`` a generate
     request (all of its prompts), ``connect_timeout_s`` the TCP connect. Each method takes ``timeout_s=`` to
-    override. Thread-safe: requests run on a session per thread."""
+    override. ``api_key``: sent as ``Authorization: Bearer`` (SGLang's ``--api-key``). Thread-safe: requests
+    run on a session per thread."""
 
     def __init__(
         self,
@@ -48,8 +50,11 @@ class EngineClient:
         generate_timeout_s: float = 1800.0,
         connect_timeout_s: float = 5.0,
         max_workers: int = 8,
+        api_key: str | None = None,
     ):
         self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.server_version: str | None = None  # set by check_version
         self.timeout_s = timeout_s
         self.generate_timeout_s = generate_timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -68,6 +73,8 @@ class EngineClient:
         session = getattr(self._local, "session", None)
         if session is None:
             session = self._local.session = requests.Session()
+            if self.api_key:
+                session.headers["Authorization"] = f"Bearer {self.api_key}"
             with self._lock:
                 self._sessions.append(session)
         return session
@@ -169,8 +176,10 @@ class EngineClient:
         return str(info["version"])
 
     def check_version(self, timeout_s: float | None = None) -> str:
-        """Raise ``SGLangVersionError`` unless the server's release is in ``SGLANG_VERSION_RANGE``."""
-        return protocol.check_server_version(self.version(timeout_s), self.url)
+        """Raise ``SGLangVersionError`` unless the server runs a release in ``protocol.SGLANG_RELEASES``;
+        remembers it (``server_version``), which decides whether weight updates need a session."""
+        self.server_version = protocol.check_server_version(self.version(timeout_s), self.url)
+        return self.server_version
 
     def weight_version(self, timeout_s: float | None = None) -> str | None:
         """The engine's current weight version (``/model_info``)."""
@@ -290,6 +299,35 @@ class EngineClient:
             serialized_named_tensors, load_format, flush_cache, abort_all_requests, weight_version
         )
         return self.request("POST", protocol.UPDATE_WEIGHTS_FROM_TENSOR, json=payload, timeout_s=timeout_s)
+
+    def begin_weight_update(self, selector: str = "all", *, timeout_s: float | None = None) -> dict:
+        payload = protocol.begin_weight_update_payload(selector)
+        return self.request("POST", protocol.BEGIN_WEIGHT_UPDATE, json=payload, timeout_s=timeout_s)
+
+    def end_weight_update(self, *, timeout_s: float | None = None) -> dict:
+        payload = protocol.end_weight_update_payload()
+        return self.request("POST", protocol.END_WEIGHT_UPDATE, json=payload, timeout_s=timeout_s)
+
+    @contextlib.contextmanager
+    def weight_update_session(self, *, timeout_s: float | None = None) -> Iterator[None]:
+        """Wrap weight updates in the engine's session where its release needs one (0.5.21+).
+
+        The session is closed even when an update inside failed, so the next sync can open one again;
+        the update's error is the one raised. Asks the server's version first if not known yet.
+        """
+        if self.server_version is None:
+            self.check_version(timeout_s)
+        if not protocol.needs_weight_update_session(self.server_version):
+            yield
+            return
+        self.begin_weight_update(timeout_s=timeout_s)
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(EngineError):
+                self.end_weight_update(timeout_s=timeout_s)
+            raise
+        self.end_weight_update(timeout_s=timeout_s)
 
     def update_weights_from_disk(
         self,

@@ -87,6 +87,7 @@ class CPUEngine:
         self.cpu_backup = args.enable_weights_cpu_backup
         self.released: dict | None = None  # param name -> (backup tensor or None, shape, dtype)
         self.snapshot: dict | None = None
+        self.session: str | None = None  # the open weight-update session's selector (SGLang 0.5.21+)
 
     def _next_seed(self) -> int:
         with self.seed_lock:
@@ -178,7 +179,27 @@ class CPUEngine:
         destroy_custom_process_group(pg)
         return _result(True, "Succeeded to destroy custom process group.")
 
+    def begin_weight_update(self, body: dict) -> web.Response:
+        if self.session is not None:
+            return _result(False, "a weight-update session is already open; call end_weight_update() first")
+        self.session = str(body.get("selector", "all"))
+        return _result(True, "Success")
+
+    def end_weight_update(self, body: dict) -> web.Response:
+        if self.session is None:
+            return _result(False, "no weight-update session is open; call begin_weight_update() first")
+        self.session = None
+        return _result(True, "Success")
+
+    def _outside_session(self, endpoint: str) -> web.Response | None:
+        # as SGLang 0.5.21+: the two in-place updates are refused outside a session (the disk update is not)
+        if self.session is None:
+            return _result(False, f"{endpoint} must run between begin_weight_update() and end_weight_update()")
+        return None
+
     def update_weights_from_distributed(self, body: dict) -> web.Response:
+        if (refused := self._outside_session("update_weights_from_distributed")) is not None:
+            return refused
         names, shapes = list(body.get("names", [])), [list(s) for s in body.get("shapes", [])]
         pg = self.groups.get(body.get("group_name", "weight_update_group"))
         try:
@@ -199,6 +220,8 @@ class CPUEngine:
             return self._load(list(zip(names, tensors)), body, "Succeeded to update parameter online.")
 
     def update_weights_from_tensor(self, body: dict) -> web.Response:
+        if (refused := self._outside_session("update_weights_from_tensor")) is not None:
+            return refused
         payloads = body.get("serialized_named_tensors") or []
         if not payloads:
             return _result(False, "serialized_named_tensors must hold one payload per TP rank (one here)")
@@ -375,6 +398,8 @@ ROUTES = {  # path: (methods, engine method, runs on the control pool)
     "/flush_cache": (("GET", "POST"), "flush_cache", True),
     "/init_weights_update_group": (("POST",), "init_weights_update_group", True),
     "/destroy_weights_update_group": (("POST",), "destroy_weights_update_group", True),
+    "/begin_weight_update": (("POST",), "begin_weight_update", True),
+    "/end_weight_update": (("POST",), "end_weight_update", True),
     "/update_weights_from_distributed": (("POST",), "update_weights_from_distributed", True),
     "/update_weights_from_tensor": (("POST",), "update_weights_from_tensor", True),
     "/update_weights_from_disk": (("POST",), "update_weights_from_disk", True),

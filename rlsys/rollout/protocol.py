@@ -33,6 +33,13 @@ from rlsys.errors import UserError
 SGLANG_VERSION_RANGE = ">=0.5.20,<0.6"
 MIRRORED_SGLANG_VERSION = "0.5.23"  # the release whose API the CPU engine mirrors and the contract tests pin
 SGLANG_TESTED_VERSION = "0.5.23"
+# Every release rlsys knows, and whether it needs a weight-update session: from 0.5.21 SGLang answers
+# update_weights_from_distributed / _from_tensor with 400 ("must run between begin_weight_update() and
+# end_weight_update()") unless they run inside POST /begin_weight_update ... POST /end_weight_update (the end
+# finalizes the loaded weights: re-packs them for AMX on CPU, re-quantizes in-place-quantized ones on GPU).
+# Read from each release's managers/scheduler_components/weight_updater.py. A release not listed is refused:
+# its request classes or session rules may differ, and a wrong guess fails mid-sync.
+SGLANG_RELEASES = {"0.5.20": False, "0.5.21": True, "0.5.22": True, "0.5.23": True}
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 
@@ -48,6 +55,8 @@ DESTROY_WEIGHTS_UPDATE_GROUP = "/destroy_weights_update_group"
 UPDATE_WEIGHTS_FROM_DISTRIBUTED = "/update_weights_from_distributed"
 UPDATE_WEIGHTS_FROM_TENSOR = "/update_weights_from_tensor"
 UPDATE_WEIGHTS_FROM_DISK = "/update_weights_from_disk"
+BEGIN_WEIGHT_UPDATE = "/begin_weight_update"  # 0.5.21+: opens the session the two updates above need
+END_WEIGHT_UPDATE = "/end_weight_update"  # closes it; the engine finalizes (post-processes) the new weights
 PAUSE_GENERATION = "/pause_generation"
 CONTINUE_GENERATION = "/continue_generation"
 RELEASE_MEMORY_OCCUPATION = "/release_memory_occupation"
@@ -361,6 +370,18 @@ def update_weights_from_tensor_payload(
     }
 
 
+def begin_weight_update_payload(selector: str = "all") -> dict:
+    """``BeginWeightUpdateReqInput`` (0.5.21+): ``selector`` is ``target``, ``draft`` or ``all`` runners."""
+    if selector not in ("target", "draft", "all"):
+        raise ValueError(f"selector must be 'target', 'draft' or 'all', got {selector!r}")
+    return {"selector": selector}
+
+
+def end_weight_update_payload() -> dict:
+    """``EndWeightUpdateReqInput`` (0.5.21+): no fields."""
+    return {}
+
+
 def update_weights_from_disk_payload(
     model_path: str,
     load_format: str | None = None,
@@ -417,9 +438,11 @@ def flush_cache_query(timeout_s: float = 0.0) -> dict:
 # ---------------------------------------------------------------- version
 
 
-def check_server_version(version: Any, url: str = "", spec: str = SGLANG_VERSION_RANGE) -> str:
-    """Raise ``SGLangVersionError`` unless ``version`` (from ``/server_info``) is in ``spec``; return it."""
+def check_server_version(version: Any, url: str = "") -> str:
+    """Raise ``SGLangVersionError`` unless ``version`` (from ``/server_info``) is a release in
+    ``SGLANG_RELEASES`` (or a ``.postN`` of one); return it."""
     where = f" at {url}" if url else ""
+    known = ", ".join(SGLANG_RELEASES)
     fix = (
         f"install sglang=={SGLANG_TESTED_VERSION} in the SGLang environment (the python of rollout.sglang_python), "
         "or attach to a server of a supported release"
@@ -429,14 +452,25 @@ def check_server_version(version: Any, url: str = "", spec: str = SGLANG_VERSION
     except InvalidVersion:
         raise SGLangVersionError(
             f"the engine{where} reports version {version!r}, which is not a version number; rlsys supports "
-            f"SGLang {spec}: {fix}"
+            f"the SGLang releases {known}: {fix}"
         ) from None
-    if parsed not in SpecifierSet(spec, prereleases=True):
+    if parsed.base_version not in SGLANG_RELEASES or parsed.is_prerelease or parsed.is_devrelease:
+        inside = parsed in SpecifierSet(SGLANG_VERSION_RANGE, prereleases=True)
+        why = (
+            "a release rlsys was not checked against (its weight-update session rules are unknown)"
+            if inside
+            else f"outside the supported range {SGLANG_VERSION_RANGE}"
+        )
         raise SGLangVersionError(
-            f"the engine{where} runs SGLang {parsed}, outside the supported range {spec}: rlsys builds its "
-            f"requests for the request classes of that range (sglang.srt.managers.io_struct); {fix}"
+            f"the engine{where} runs SGLang {parsed}, {why}; rlsys builds its requests for the releases {known} "
+            f"(sglang.srt.managers.io_struct): {fix}"
         )
     return str(parsed)
+
+
+def needs_weight_update_session(version: str) -> bool:
+    """Whether ``version`` (checked by ``check_server_version``) wants begin/end around weight updates."""
+    return SGLANG_RELEASES[Version(version).base_version]
 
 
 def _version(v: str | int | None) -> str | None:

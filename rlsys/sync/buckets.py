@@ -118,6 +118,10 @@ def unflatten(flat: torch.Tensor, dtypes: list[str], shapes: list[list[int]]) ->
 # ---- between two ranks: one JSON header and one flat uint8 tensor per bucket ---------------------------
 
 
+class WriterFailed(RuntimeError):
+    """The sending rank ended its stream of buckets early (``send_end(failed=True)``)."""
+
+
 def send_bucket(bucket: Bucket, dst: int, group, buffer: torch.Tensor | None = None) -> None:
     """Send a bucket, aligned, to ``dst`` over a gloo group.
 
@@ -139,7 +143,7 @@ def send_end(dst: int, group, failed: bool = False) -> None:
 def recv_bucket(src: int, group, buffer, timeout_s: float) -> Bucket | None:
     """The next bucket ``send_bucket`` sent from ``src``, its bytes received into ``buffer(nbytes)`` (a uint8
     host tensor of that size) and its tensors views into them; ``None`` at the end of the stream
-    (``send_end``), ``RuntimeError`` if the sender failed.
+    (``send_end``), ``WriterFailed`` if the sender failed.
 
     Each receive waits at most ``timeout_s`` and raises ``TimeoutError`` after that (a timed-out gloo
     receive also closes the connection to ``src``: the group is unusable afterwards).
@@ -156,7 +160,7 @@ def recv_bucket(src: int, group, buffer, timeout_s: float) -> Bucket | None:
 
     header_bytes, nbytes = recv(torch.empty(2, dtype=torch.int64)).tolist()
     if header_bytes < 0:
-        raise RuntimeError(f"rank {src} failed while exporting its weights (its own error says why)")
+        raise WriterFailed(f"rank {src} failed while exporting its weights (its own error says why)")
     if header_bytes == 0:
         return None
     names, dtypes, shapes = json.loads(recv(torch.empty(header_bytes, dtype=torch.uint8)).numpy().tobytes())

@@ -1,4 +1,5 @@
-"""Push the actor's weights into rollout engines over a broadcast group (NCCL on GPU, gloo on CPU).
+"""Push the actor's weights into rollout engines: over a broadcast group (NCCL on GPU, gloo on CPU), or, for
+engines that share rank 0's devices, through ``update_weights_from_tensor`` (colocated).
 
 Per sync, on every trainer rank (a collective over the training world):
 
@@ -27,32 +28,70 @@ exported tensors of the bucket being filled, and, while the main thread waits fo
 finish, the one tensor that did not fit into the bucket before. A writer holds at most two buckets
 (one being filled, one being sent) and one host send buffer.
 
-Around the buckets rank 0 pauses generation and flushes the engines' caches once, and continues
-them at the end. With ``verify`` rank 0 also hashes every tensor it buckets or receives and, after the
-last bucket and before continuing generation, compares every engine with those hashes (``rlsys.sync.verify``);
+Around the buckets rank 0 pauses generation, flushes the engines' caches once and opens each engine's
+weight-update session (``begin_weight_update``, SGLang 0.5.21+), and at the end closes the sessions (the
+engine finalizes the new weights there, e.g. re-packs them for AMX on CPU) and continues generation.
+
+Failures are raised at once, on every trainer rank, with the engine's own message: an engine that answers an
+error (4xx/5xx) or drops the connection fails its bucket without waiting for the broadcast (rank 0 waits on
+the HTTP reply and the broadcast together), and rank 0 then drains the rest of the sync without engines (the
+gathers and funnel receives its peers are blocked in) so that every rank reaches the closing agreement, an
+``all_gather_object`` of each rank's error over a gloo group; every rank raises ``WeightSyncError`` (rank 0
+its original exception). An engine error before the first bucket (pause, flush, the session, an unknown
+SGLang release) is agreed on before any gather starts. After a failure mid-sync the engines are left paused
+(their weights are partly new) and the broadcast group is rebuilt under a new name on the next sync.
+
+With ``verify`` rank 0 also hashes every tensor it buckets or receives and, after the sessions closed
+and before continuing generation, compares every engine with those hashes (``rlsys.sync.verify``);
 a mismatch raises ``WeightSyncMismatch`` and leaves the engines paused. With ``weight_dtype="fp8"`` linear
 weights are block-quantized to FP8 by their writer before bucketing (``rlsys.sync.fp8``; the engines must run
 an FP8 checkpoint). Rank 0 waits at most ``timeout_s`` for each engine call, broadcast and funnel receive
 (a writer's failure reaches it at once); writers wait for rank 0 as long as the funnel group's timeout.
-The group: the trainer is rank 0, engine ``i``'s TP rank ``t`` is ``1 + sum(tp of engines before i) + t``.
+The group: the trainer is rank 0, engine ``i``'s TP rank ``t`` is ``1 + sum(tp of broadcast engines before i) + t``.
+
+Transports, one per engine (``transports``; ``rlsys.plan.sync_transports`` picks them): ``broadcast`` joins the
+group above; ``tensor`` (colocated: the engine shares rank 0's node) receives each bucket as SGLang's
+``FlattenedTensorBucket`` payload of ``update_weights_from_tensor``: a CUDA IPC handle on GPU
+(``rlsys.sync.colocated``), a shared-memory CPU tensor on CPU (torch's ``file_system`` sharing: SGLang's
+scheduler cannot fetch a file descriptor from the sender, and a payload it cannot open takes the server down).
+NCCL refuses a group with two ranks on one GPU, which is what a broadcast into a colocated engine would be.
+A tensor-transport bucket is flattened into a fresh tensor (SGLang reads it after the call returns on GPU) and
+sent as the same payload to each of the engine's TP ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
-import socket
+import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from rlsys.local_ranks import free_port, node_address
 from rlsys.megatron.export import is_dense_writer, is_expert_writer, iter_hf_tensors
 from rlsys.rollout.process_group import destroy_custom_process_group, init_custom_process_group
-from rlsys.sync.buckets import Bucket, Bucketer, Handoff, dtype_name, recv_bucket, send_bucket, send_end
+from rlsys.rollout.protocol import needs_weight_update_session
+from rlsys.sync.buckets import Bucket, Bucketer, Handoff, WriterFailed, dtype_name, recv_bucket, send_bucket, send_end
+from rlsys.sync.colocated import serialize_flattened_bucket
 from rlsys.sync.fp8 import quantize_named_tensors
 from rlsys.sync.verify import TrainerChecksums, probe_engines, verify_engines
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync failed on some rank (an engine's error answer, a dead engine, a failed writer); raised on
+    every trainer rank with the failing rank's message."""
+
+
+class _WriterFailed(RuntimeError):
+    """Rank 0's note that a writer gave up; the writer's own error is the one every rank raises."""
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -89,6 +128,7 @@ class DistributedWeightSync:
         group_name: str = "rlsys_weight_sync",
         verify: bool = False,
         weight_dtype: str = "auto",
+        transports: list[str] | None = None,
     ):
         if weight_dtype not in ("auto", "fp8"):
             raise ValueError(f"rollout.weight_dtype must be 'auto' or 'fp8', got {weight_dtype!r}")
@@ -96,16 +136,28 @@ class DistributedWeightSync:
             raise ValueError(f"sync.load_format must be 'flattened_bucket' or 'per_tensor', got {load_format!r}")
         self.topo, self.arch = topo, arch
         self.engines, self.engine_tp = engines, engine_tp
+        self.transports = list(transports) if transports is not None else ["broadcast"] * len(engines)
+        if len(self.transports) != len(engines) or not set(self.transports) <= {"broadcast", "tensor"}:
+            raise ValueError(f"transports must be 'broadcast' or 'tensor' per engine, got {self.transports!r}")
+        self.broadcast_engines = [e for e, t in zip(engines, self.transports) if t == "broadcast"]
+        self.tensor_engines = [(e, tp) for e, tp, t in zip(engines, engine_tp, self.transports) if t == "tensor"]
+        if self.tensor_engines and topo.device.type == "cpu":
+            torch.multiprocessing.set_sharing_strategy("file_system")  # see the module docstring
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.load_format, self.backend, self.timeout_s = load_format, backend, timeout_s
-        self.master_address = master_address or socket.gethostbyname(socket.gethostname())
+        self.master_address = master_address or node_address()  # rank 0's node, as its engines' hosts see it
         self.group_name = group_name
         self.verify, self.weight_dtype = verify, weight_dtype
         self._views = None  # what verification learned about the engines (probed once per connect)
+        self._views_fresh = False
+        self.last_unverifiable = 0
         self._checks: TrainerChecksums | None = None
         self._buffers: dict = {}  # (owner, device type) -> uint8 buffer, kept between syncs
         self.is_sender = dist.get_rank() == 0
         self.group = None
+        self.connected = False
+        self.active_group_name = group_name
+        self.last_verification: list = []  # the engine reports of the last verified sync
         # Writers in a fixed order, known to everyone; the funnel connects them to rank 0.
         flags = [None] * dist.get_world_size()
         dist.all_gather_object(flags, is_dense_writer(topo) or is_expert_writer(topo))
@@ -113,109 +165,195 @@ class DistributedWeightSync:
         if 0 not in self.writers:
             raise RuntimeError("global rank 0 must export weights (TP, PP, DP, EP rank 0); check the topology")
         self.funnel = dist.new_group(self.writers, backend="gloo") if len(self.writers) > 1 else None
+        # every rank's verdict on a sync, on a host-side group whatever the training backend
+        self.control = dist.new_group(backend="gloo")
         self.version = 0
+        self._calls = ThreadPoolExecutor(max(4, 2 * len(engines)), thread_name_prefix="weight-sync")
+        self._failure: BaseException | None = None  # rank 0: the first engine-side error of this sync
+        self._groups_made = 0  # a rebuilt broadcast group gets a fresh name (the old one may hold a stale send)
+        self._sessions: list = []  # engines whose weight-update session is open
 
     # -- group lifecycle (rank 0 talks to the engines) ----------------------------------------------
 
     def connect(self) -> None:
-        """Create the broadcast group with every engine (again after an engine restart)."""
+        """Create the broadcast group with every engine (again after an engine restart). Checks each engine's
+        SGLang release first (refused if unknown, and it decides the session protocol); an engine that
+        refuses to join fails the call at once, not after the rendezvous timeout."""
         if not self.is_sender:
             return
-        from rlsys.local_ranks import free_port
-
         self._views = None  # a restarted engine may store other dtypes
-
-        port = free_port()
-        world = 1 + sum(self.engine_tp)
-        offsets = [1 + sum(self.engine_tp[:i]) for i in range(len(self.engines))]
-        with ThreadPoolExecutor(len(self.engines)) as pool:
-            # engines block in this call until every member has joined, so join concurrently
-            futures = [
-                pool.submit(
-                    e.init_weights_update_group,
-                    self.master_address,
-                    port,
-                    off,
-                    world,
-                    group_name=self.group_name,
-                    backend=self.backend,
-                    timeout_s=self.timeout_s,
-                )
-                for e, off in zip(self.engines, offsets)
-            ]
-            self.group = init_custom_process_group(
-                self.backend, f"tcp://{self.master_address}:{port}", world, 0, self.group_name, self.timeout_s
+        _first_error(
+            [self._calls.submit(e.check_version, timeout_s=self.timeout_s) for e in self.engines], self.timeout_s
+        )
+        self.connected = True
+        casts = [(e, tp) for e, tp, t in zip(self.engines, self.engine_tp, self.transports) if t == "broadcast"]
+        if not casts:
+            return
+        port = free_port(self.master_address)
+        world = 1 + sum(tp for _, tp in casts)
+        offsets = [1 + sum(tp for _, tp in casts[:i]) for i in range(len(casts))]
+        self._groups_made += 1
+        name = self.group_name if self._groups_made == 1 else f"{self.group_name}_{self._groups_made}"
+        # engines block in this call until every member has joined, so join concurrently
+        futures = [
+            self._calls.submit(
+                e.init_weights_update_group,
+                self.master_address,
+                port,
+                off,
+                world,
+                group_name=name,
+                backend=self.backend,
+                timeout_s=self.timeout_s,
             )
-            for f in futures:
-                f.result(timeout=self.timeout_s)
+            for (e, _), off in zip(casts, offsets)
+        ]
+        init = f"tcp://{self.master_address}:{port}"
+        joined = self._calls.submit(init_custom_process_group, self.backend, init, world, 0, name, self.timeout_s)
+        _first_error([*futures, joined], self.timeout_s)
+        self.group, self.active_group_name = joined.result(), name
 
-    def disconnect(self) -> None:
+    def disconnect(self, broken: bool = False) -> None:
+        """Leave the broadcast group. ``broken``: a send into it may still be pending (a failed bucket), so it
+        is abandoned rather than destroyed locally (that would wait for the send)."""
+        self.connected = False
         if self.is_sender and self.group is not None:
-            for e in self.engines:
+            for e in self.broadcast_engines:
                 with contextlib.suppress(Exception):  # a dead engine has nothing left to destroy
-                    e.destroy_weights_update_group(self.group_name)
-            destroy_custom_process_group(self.group)
+                    e.destroy_weights_update_group(self.active_group_name, timeout_s=min(self.timeout_s, 30))
+            if not broken:
+                destroy_custom_process_group(self.group)
             self.group = None
 
     # -- one sync -----------------------------------------------------------------------------------
 
     @torch.no_grad()
     def sync(self, chunks) -> SyncStats:
-        """Send the current weights of ``chunks`` to every engine; collective over the trainer ranks."""
+        """Send the current weights of ``chunks`` to every engine; collective over the trainer ranks.
+
+        Raises ``WeightSyncError`` on every rank when any rank or engine failed (see the module docstring)."""
         start = time.perf_counter()
         self.version += 1
         stats = SyncStats()
         rank = dist.get_rank()
+        error = None
         if self.is_sender:
-            self._prepare_engines()
-            outbox = Handoff(lambda bucket, slot: self._broadcast(bucket, slot, stats), timeout_s=self.timeout_s)
-            with _closing(outbox):
-                self._export(chunks, outbox)
-                for src in self.writers[1:]:
-                    while (bucket := self._receive(src, outbox)) is not None:
-                        outbox.put(bucket)
-            stats.peak_buckets = outbox.peak
-            if self._checks is not None:  # before continuing: no rollout may sample from wrong weights
-                verify_engines(self.engines, self._checks, self.timeout_s, expected_version=self.version)
-            for e in self.engines:
-                e.continue_generation()
-        elif rank in self.writers:
-            # no timeout: the first bucket waits until rank 0 has sent its own, however long that takes
-            outbox = Handoff(self._send)
+            self._failure = None
             try:
-                with _closing(outbox):
-                    self._export(chunks, outbox)
-            except BaseException:
-                with contextlib.suppress(Exception):  # rank 0 fails at once instead of after its timeout
-                    send_end(0, self.funnel, failed=True)
-                raise
-            send_end(0, self.funnel)
-            stats.peak_buckets = outbox.peak
-        else:
-            for _ in iter_hf_tensors(chunks, self.arch, self.topo):  # TP peers of a writer: gathers only
-                pass
+                self._prepare_engines()
+            except Exception as e:
+                error = e
+                self._close_sessions(resume=True)  # nothing was sent: the engines still serve whole weights
+        self._agree(error)
+        try:
+            if self.is_sender:
+                self._send_all(chunks, stats)
+            elif rank in self.writers:
+                self._write(chunks, stats)
+            else:
+                for _ in iter_hf_tensors(chunks, self.arch, self.topo):  # TP peers of a writer: gathers only
+                    pass
+        except Exception as e:
+            error = e
+        if self.is_sender:
+            if error is not None or self._failure is not None:
+                self._close_sessions(resume=False)  # paused: their weights are partly new
+                self.disconnect(broken=True)
+            if error is None and not isinstance(self._failure, _WriterFailed):  # a writer reports its own error
+                error = self._failure
+        self._agree(error)
+        if self.is_sender:
+            self._finish_engines()
         stats.seconds = time.perf_counter() - start
         return stats
 
+    def _send_all(self, chunks, stats: SyncStats) -> None:
+        outbox = Handoff(lambda bucket, slot: self._broadcast(bucket, slot, stats), timeout_s=self.timeout_s)
+        with _closing(outbox):
+            self._export(chunks, outbox)
+            for src in self.writers[1:]:
+                while (bucket := self._receive(src, outbox)) is not None:
+                    outbox.put(bucket)  # after a failure _broadcast skips it: the writer must still finish
+        stats.peak_buckets = outbox.peak
+
+    def _write(self, chunks, stats: SyncStats) -> None:
+        # no timeout: the first bucket waits until rank 0 has sent its own, however long that takes
+        outbox = Handoff(self._send)
+        try:
+            with _closing(outbox):
+                self._export(chunks, outbox)
+        except BaseException:
+            with contextlib.suppress(Exception):  # rank 0 stops receiving from this writer at once
+                send_end(0, self.funnel, failed=True)
+            raise
+        send_end(0, self.funnel)
+        stats.peak_buckets = outbox.peak
+
+    def _agree(self, error: BaseException | None) -> None:
+        """Every rank learns every rank's error; all raise if any failed (rank 0 keeps its exception type)."""
+        verdicts = [None] * dist.get_world_size()
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        dist.all_gather_object(verdicts, mine, group=self.control)
+        failed = [(r, v) for r, v in enumerate(verdicts) if v is not None]
+        if not failed:
+            return
+        if error is not None and failed[0][0] == dist.get_rank():
+            raise error
+        r, message = failed[0]
+        raise WeightSyncError(f"weight sync {self.version} failed on trainer rank {r}: {message}") from error
+
     def _prepare_engines(self) -> None:
-        if self.group is None:
+        if not self.connected:
             self.connect()
         for e in self.engines:
-            e.pause_generation()
+            e.pause_generation(timeout_s=self.timeout_s)
         for e in self.engines:
-            e.flush_cache()
+            e.flush_cache(timeout_s=self.timeout_s)
+        self._sessions = []
+        for e in self.engines:
+            _begin(e, self.timeout_s)
+            self._sessions.append(e)
         self._checks = None
         if self.verify:
             if self._views is None:
                 self._views = probe_engines(self.engines, self.timeout_s)
+                self._views_fresh = True
             self._checks = TrainerChecksums.for_engines(self._views)
+
+    def _close_sessions(self, resume: bool) -> None:
+        """After a failure: close the open sessions; ``resume`` generation where no weight was sent yet."""
+        for e in self._sessions:
+            with contextlib.suppress(Exception):
+                e.end_weight_update(timeout_s=min(self.timeout_s, 30))
+        self._sessions = []
+        if resume:
+            for e in self.engines:
+                with contextlib.suppress(Exception):
+                    e.continue_generation(timeout_s=min(self.timeout_s, 30))
+
+    def _finish_engines(self) -> None:
+        """After every bucket landed: close the sessions (the engines finalize the weights), verify, continue."""
+        _first_error([self._calls.submit(_end, e, self.timeout_s) for e in self._sessions], self.timeout_s)
+        self._sessions = []
+        if self._checks is not None:  # before continuing: no rollout may sample from wrong weights
+            self.last_verification = verify_engines(
+                self.engines, self._checks, self.timeout_s, expected_version=self.version
+            )
+            self.last_unverifiable = self._checks.skipped
+            if self.version == 1 or self._views_fresh:
+                self._views_fresh = False
+                for r in self.last_verification:  # say once per connect what a pass means
+                    logger.info("sync.verify: %s", r.summary(self._checks))
+        for e in self.engines:
+            e.continue_generation(timeout_s=self.timeout_s)
 
     def _export(self, chunks, outbox: Handoff) -> None:
         bucketer = Bucketer(self.bucket_bytes)
         for name, tensor in iter_hf_tensors(chunks, self.arch, self.topo):
-            self._add(bucketer, outbox, name, tensor)
+            if self._failure is None:  # after a failure only the gathers go on (see sync)
+                self._add(bucketer, outbox, name, tensor)
         last = bucketer.flush()
-        if last is not None:
+        if last is not None and self._failure is None:
             self._hand_over(last, outbox)
 
     def _add(self, bucketer: Bucketer, outbox: Handoff, name: str, tensor: torch.Tensor) -> None:
@@ -229,7 +367,7 @@ class DistributedWeightSync:
             outbox.begin()
 
     def _hand_over(self, bucket: Bucket, outbox: Handoff) -> None:
-        if self.is_sender and self.load_format == "flattened_bucket":
+        if self.is_sender and self.load_format == "flattened_bucket" and self.broadcast_engines:
             # Flattened here, into the buffer of the bucket's slot, rather than on the broadcast thread: that
             # thread is the busier one, and the exported tensors are freed as soon as they are copied.
             bucket = bucket.aligned()
@@ -246,6 +384,9 @@ class DistributedWeightSync:
             bucket = recv_bucket(src, self.funnel, into, self.timeout_s)
         except TimeoutError as e:
             raise TimeoutError(f"weight sync: writer rank {src} sent nothing for {self.timeout_s:g}s") from e
+        except WriterFailed:
+            self._failure = self._failure or _WriterFailed(src)  # nothing more goes to the engines
+            return None
         if bucket is None:
             return None
         if self.topo.device.type != "cpu":  # gloo delivers to host memory; broadcast from the device like rank 0's own
@@ -270,33 +411,80 @@ class DistributedWeightSync:
         send_bucket(bucket, 0, self.funnel, self._buffer("send", bucket.nbytes, "cpu"))
 
     def _broadcast(self, bucket: Bucket, slot: int, stats: SyncStats) -> None:
-        bucket = bucket.aligned()
-        fmt = "flattened_bucket" if self.load_format == "flattened_bucket" else None
-        with ThreadPoolExecutor(len(self.engines)) as pool:
-            futures = [
-                pool.submit(
-                    e.update_weights_from_distributed,
-                    bucket.names,
-                    bucket.dtypes,
-                    bucket.shapes,
-                    group_name=self.group_name,
-                    flush_cache=False,  # flushed once per sync, before the first bucket
-                    weight_version=str(self.version),
-                    load_format=fmt,
-                    timeout_s=self.timeout_s,
-                )
-                for e in self.engines
-            ]
-            if fmt == "flattened_bucket":
-                dist.broadcast(bucket.flat, src=0, group=self.group)  # flattened by _hand_over or received so
-            else:
-                for t in bucket.tensors:
-                    dist.broadcast(t, src=0, group=self.group)
-            for f in futures:
-                f.result(timeout=self.timeout_s)
+        """One bucket into every engine (on the Handoff's thread). An error is kept in ``_failure``, not
+        raised: the main thread drains the sync, and the bucket's and later buckets' sends are skipped."""
+        if self._failure is not None or not bucket.names:
+            return
+        try:
+            self._broadcast_bucket(bucket.aligned())
+        except Exception as e:
+            self._failure = e
+            return
         stats.bytes += bucket.nbytes
         stats.tensors += len(bucket.names)
         stats.buckets += 1
+
+    def _broadcast_bucket(self, bucket: Bucket) -> None:
+        fmt = "flattened_bucket" if self.load_format == "flattened_bucket" else None
+        replies = [self._calls.submit(self._send_tensors, e, tp, bucket) for e, tp in self.tensor_engines]
+        if not self.broadcast_engines:
+            _first_error(replies, self.timeout_s)
+            return
+        replies += [
+            self._calls.submit(
+                e.update_weights_from_distributed,
+                bucket.names,
+                bucket.dtypes,
+                bucket.shapes,
+                group_name=self.active_group_name,
+                flush_cache=False,  # flushed once per sync, before the first bucket
+                weight_version=str(self.version),
+                load_format=fmt,
+                timeout_s=self.timeout_s,
+            )
+            for e in self.broadcast_engines
+        ]
+        tensors = [bucket.flat] if fmt == "flattened_bucket" else bucket.tensors  # flat: see _hand_over
+        sends = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
+        # An engine answers once it has received the bucket, or at once with its error: waiting on the
+        # replies first turns an error answer into an error now, not a broadcast that waits out its timeout.
+        _first_error(replies, self.timeout_s)
+        for send in sends:
+            send.wait(timeout=timedelta(seconds=self.timeout_s))
+
+    def _send_tensors(self, engine, tp: int, bucket: Bucket):
+        """One bucket into a colocated engine: the same flattened-bucket payload for each of its TP ranks."""
+        fresh = Bucket(bucket.names, bucket.tensors, bucket.nbytes)  # never a reused buffer: read after we return
+        payload = serialize_flattened_bucket(fresh)
+        return engine.update_weights_from_tensor(
+            [payload] * tp,
+            load_format="flattened_bucket",
+            flush_cache=False,
+            weight_version=str(self.version),
+            timeout_s=self.timeout_s,
+        )
+
+
+def _begin(engine, timeout_s: float) -> None:
+    if engine.server_version is None:
+        engine.check_version(timeout_s=timeout_s)
+    if needs_weight_update_session(engine.server_version):
+        engine.begin_weight_update(timeout_s=timeout_s)
+
+
+def _end(engine, timeout_s: float) -> None:
+    if needs_weight_update_session(engine.server_version):
+        engine.end_weight_update(timeout_s=timeout_s)
+
+
+def _first_error(futures: list[Future], timeout_s: float) -> None:
+    """Wait for every future; raise the first error as soon as it happens, ``TimeoutError`` after ``timeout_s``."""
+    done, pending = wait_futures(futures, timeout=timeout_s, return_when=FIRST_EXCEPTION)
+    for f in done:
+        if f.exception() is not None:
+            raise f.exception()
+    if pending:
+        raise TimeoutError(f"weight sync: {len(pending)} engine call(s) unanswered after {timeout_s:g}s")
 
 
 @contextlib.contextmanager
@@ -311,4 +499,4 @@ def _closing(outbox: Handoff):
     outbox.close()
 
 
-__all__ = ["DistributedWeightSync", "SyncStats", "dtype_name"]
+__all__ = ["DistributedWeightSync", "SyncStats", "WeightSyncError", "dtype_name"]

@@ -20,6 +20,11 @@ Two ways to read an engine:
   read none of the sample, ``VerificationUnavailable`` is raised rather than passing silently. Its shard
   arithmetic assumes ``head_dim == hidden_size / num_attention_heads``. FP8 scales are never sampled (their
   rows are blocks, not weight rows), and FP8 weights compare only where SGLang keeps them as loaded.
+  SGLang's CPU backend with ``intel_amx`` attention re-packs every linear weight into an AMX layout when the
+  weight-update session ends, and ``get_weights_by_name`` returns that layout: against such an engine
+  (``/server_info``: ``device`` cpu, ``attention_backend`` intel_amx) only tensors that are not linear weights
+  (norms, embeddings, biases) are sampled, and ``TrainerChecksums.skipped`` counts the others. With
+  ``torch_native`` every tensor is stored as loaded and all are comparable.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class EngineView:
     url: str
     checksums: bool  # answers /weights_checksum
     dtypes: dict[str, str] = field(default_factory=dict)  # name -> dtype the engine stores it in
+    packed: bool = False  # linear weights read back in a packed layout (SGLang CPU, intel_amx)
 
 
 @dataclass
@@ -81,6 +87,16 @@ class EngineReport:
     @property
     def ok(self) -> bool:
         return not (self.different or self.missing or self.extra or self.unreadable or self.version_error)
+
+    def summary(self, trainer: TrainerChecksums) -> str:
+        """What this check compared, for the log: a pass means exactly this much."""
+        if self.method == "checksum":
+            return f"{self.url}: sha256 of all {self.checked} tensors sent, in the dtype the engine stores"
+        skipped = f"; {trainer.skipped} AMX-packed linear weights not comparable" if trainer.skipped else ""
+        return (
+            f"{self.url}: first {trainer.sample_rows} rows of {self.checked} of {len(trainer.sent)} tensors sent, "
+            f"read back by name (rtol {SAMPLE_RTOL:g}){skipped}"
+        )
 
     def describe(self) -> str:
         parts = [
@@ -117,6 +133,7 @@ class TrainerChecksums:
         samples: int = 0,
         sample_rows: int = 4,
         seed: int = 0,
+        packed: bool = False,
     ):
         self.engine_dtypes = list(engine_dtypes)
         self.compute_checksums = checksums
@@ -124,6 +141,8 @@ class TrainerChecksums:
         self.sent: dict[str, str] = {}  # name -> dtype sent, in send order
         self.checksums: dict[str, dict[str, str]] = {}  # name -> {dtype: sha256 of the tensor in that dtype}
         self.samples: dict[str, torch.Tensor] = {}  # name -> float32 first rows
+        self.packed = packed  # sample no linear weight: some engine returns them packed
+        self.skipped = 0  # names not sampled because they cannot be compared (packed linear weights)
         self._offered = 0
         self._rng = random.Random(seed)
 
@@ -132,7 +151,10 @@ class TrainerChecksums:
         """Checksums if any engine answers ``/weights_checksum``, samples if any does not."""
         hashed = [v.dtypes for v in views if v.checksums]
         sampled = any(not v.checksums for v in views)
-        return cls(hashed, checksums=bool(hashed), samples=samples if sampled else 0, sample_rows=sample_rows)
+        packed = any(v.packed for v in views if not v.checksums)
+        return cls(
+            hashed, checksums=bool(hashed), samples=samples if sampled else 0, sample_rows=sample_rows, packed=packed
+        )
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         tensor = tensor.detach()
@@ -141,7 +163,10 @@ class TrainerChecksums:
             stored = {m[name] for m in self.engine_dtypes if name in m} or {self.sent[name]}
             self.checksums[name] = {d: tensor_checksum(tensor.to(dtype_from_str(d))) for d in stored}
         if self.sample_size and not name.endswith("_scale_inv"):
-            self._offer(name, tensor)
+            if self.packed and is_linear_weight(name, tensor):
+                self.skipped += 1
+            else:
+                self._offer(name, tensor)
 
     def _offer(self, name: str, tensor: torch.Tensor) -> None:
         if name not in self.samples:
@@ -152,6 +177,11 @@ class TrainerChecksums:
                     return
                 del self.samples[list(self.samples)[slot]]
         self.samples[name] = tensor[: self.sample_rows].float().cpu().clone()
+
+
+def is_linear_weight(name: str, tensor: torch.Tensor) -> bool:
+    """A weight SGLang serves through a linear layer (AMX-packs on CPU): 2-D, not an embedding table."""
+    return tensor.dim() == 2 and name.endswith(".weight") and "embed_tokens" not in name
 
 
 # ---- engine side --------------------------------------------------------------------------------------------
@@ -171,12 +201,18 @@ def fetch_checksums(client, timeout_s: float | None = None) -> dict | None:
 
 
 def probe_engines(clients: Sequence, timeout_s: float | None = None) -> list[EngineView]:
-    """Which engines answer ``/weights_checksum``, and the dtype each stores every tensor in."""
+    """Which engines answer ``/weights_checksum``, the dtype each stores every tensor in, and which read
+    linear weights back packed."""
     replies = _each(clients, lambda c: fetch_checksums(c, timeout_s))
-    return [
-        EngineView(c.url, r is not None, dict(r.get("dtypes", {})) if r is not None else {})
-        for c, r in zip(clients, replies)
-    ]
+    views = []
+    for c, r in zip(clients, replies):
+        if r is not None:
+            views.append(EngineView(c.url, True, dict(r.get("dtypes", {}))))
+            continue
+        info = c.server_info(timeout_s=timeout_s)
+        packed = info.get("device") == "cpu" and info.get("attention_backend") == "intel_amx"
+        views.append(EngineView(c.url, False, packed=packed))
+    return views
 
 
 def verify_engines(

@@ -39,6 +39,18 @@ class Turns:
             for g in moved:
                 g.offload()
 
+    @contextmanager
+    def weights_on_device(self, group):
+        """Only ``group``'s weights on its devices for the block (a weight sync needs no optimizer state)."""
+        moved = group is not None and group in self.offloaded
+        if moved:
+            group.onload(("params",))
+        try:
+            yield
+        finally:
+            if moved:
+                group.offload(("params",))
+
     def release_engines(self) -> None:
         """After generation: the engines' weights and KV cache make room for training."""
         self._engine_call("release_memory_occupation", WEIGHTS + CACHE)

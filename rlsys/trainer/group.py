@@ -77,8 +77,8 @@ class RoleGroup:
         shards = dp_shards(batch.lengths, self.dp, mini_batches)
         return self._all("update", *[(batch.select(shards[i["dp_rank"]]),) for i in self.infos])[0]
 
-    def setup_sync(self, urls, engine_tp, sync_cfg, device, weight_dtype="auto") -> None:
-        self._all("setup_sync", same=(urls, engine_tp, sync_cfg, device, weight_dtype))
+    def setup_sync(self, urls, engine_tp, sync_cfg, device, weight_dtype="auto", api_key=None, transports=None):
+        self._all("setup_sync", same=(urls, engine_tp, sync_cfg, device, weight_dtype, api_key, transports))
 
     def sync_weights(self, version: int) -> dict:
         return self._all("sync_weights", same=(version,))[0]
@@ -86,11 +86,11 @@ class RoleGroup:
     def reconnect_sync(self) -> None:
         self._all("reconnect_sync")
 
-    def offload(self) -> None:
-        self._all("offload")
+    def offload(self, what=None) -> None:
+        self._all("offload", same=(what,))
 
-    def onload(self) -> None:
-        self._all("onload")
+    def onload(self, what=None) -> None:
+        self._all("onload", same=(what,))
 
     def save(self, root: str, step: int, extra: dict, keep_last: int) -> str:
         return self._all("save", same=(root, step, extra, keep_last))[0]

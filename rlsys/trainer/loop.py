@@ -24,8 +24,9 @@ from rlsys.algorithms import (
     overlong_penalty,
 )
 from rlsys.algorithms import kl as kl_estimate
-from rlsys.config import RunConfig, config_to_dict
-from rlsys.plan import enabled_roles
+from rlsys.config import RunConfig, config_to_dict, releases_engine_memory
+from rlsys.plan import enabled_roles, sync_transports
+from rlsys.rollout.launch import start_engines
 from rlsys.trainer import rollout
 from rlsys.trainer.advantage import compute_advantages
 from rlsys.trainer.colocation import Turns
@@ -83,8 +84,15 @@ def _run(cfg: RunConfig, mode: str, replay, last_step: int, prompts, model_dir: 
     # -- engines and Megatron roles ---------------------------------------------------------------
     engines = None
     if mode != "train":
-        engines = rollout.start_engines(
-            cfg.rollout, model_dir, cfg.model.dtype, cfg.trainer.seed, f"{out_dir}/logs", placement=placement
+        engines = start_engines(
+            cfg.rollout,
+            model_dir,
+            cfg.model.dtype,
+            cfg.trainer.seed,
+            f"{out_dir}/logs",
+            placement=placement,
+            device=cfg.cluster.device,
+            memory_saver=releases_engine_memory(cfg),
         )
     total_steps = cfg.trainer.steps * algo.ppo_epochs * algo.mini_batches_per_step
     groups = {}
@@ -95,7 +103,8 @@ def _run(cfg: RunConfig, mode: str, replay, last_step: int, prompts, model_dir: 
     syncing = actor is not None and engines is not None
     if syncing:
         urls, sync_cfg = engines.urls, cfg.rollout.sync
-        actor.setup_sync(urls, [cfg.rollout.tp] * len(urls), sync_cfg, cfg.cluster.device, cfg.rollout.weight_dtype)
+        tps, transports = [cfg.rollout.tp] * len(urls), sync_transports(cfg)
+        actor.setup_sync(urls, tps, sync_cfg, cfg.cluster.device, cfg.rollout.weight_dtype, engines.api_key, transports)
     rewards = RewardManager(cfg.reward) if replay is None else None
     kl_ctl = (
         AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
@@ -118,11 +127,11 @@ def _run(cfg: RunConfig, mode: str, replay, last_step: int, prompts, model_dir: 
         logger.resume(start)
     progress = ProgressReporter(last_step, out_dir, cfg.logging, start_step=start)
     offloaded = {role for role in groups if getattr(cfg, role).offload}
-    turns = Turns(groups, offloaded, engines, cfg.rollout.release_memory and syncing)
+    turns = Turns(groups, offloaded, engines, releases_engine_memory(cfg) and syncing)
     version = [start + 1]
 
     def resync(_engine=None):  # engines serve the actor's weights (of the resumed step); so does a restarted one
-        with turns.on_device(actor):
+        with turns.weights_on_device(actor):
             if _engine is not None:
                 actor.reconnect_sync()
             actor.sync_weights(version[0])

@@ -8,7 +8,6 @@ group calls it on all of them at once, with each rank's data-parallel share.
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 
@@ -19,9 +18,10 @@ _driver_env: dict | None = None  # the process's rendezvous variables before the
 class RankWorker:
     def address(self) -> tuple[str, int]:
         """Where rank 0 hosts the role's rendezvous (asked of rank 0 only)."""
-        from rlsys.local_ranks import free_port
+        from rlsys.local_ranks import free_port, node_address
 
-        return socket.gethostbyname(socket.gethostname()), free_port()
+        host = node_address()
+        return host, free_port(host)
 
     def init(self, role: str, rank: int, world: int, master: tuple[str, int], spec: dict) -> dict:
         """Join the role's process group, build the topology and the model from ``spec``."""
@@ -88,21 +88,31 @@ class RankWorker:
     def update(self, batch) -> dict:
         return self.worker.update(batch)
 
-    def offload(self) -> dict:
-        return self.worker.engine.offload()
+    def offload(self, what=None) -> dict:
+        """``what``: categories of ``rlsys.training.offload`` (None: all)."""
+        return self.worker.engine.offload() if what is None else self.worker.engine.offload(what=what)
 
-    def onload(self) -> dict:
-        return self.worker.engine.onload()
+    def onload(self, what=None) -> dict:
+        return self.worker.engine.onload() if what is None else self.worker.engine.onload(what=what)
 
     # -- weight sync (actor) --------------------------------------------------------------------
 
-    def setup_sync(self, urls: list[str], engine_tp: list[int], sync_cfg, device: str, weight_dtype: str) -> None:
+    def setup_sync(
+        self,
+        urls: list[str],
+        engine_tp: list[int],
+        sync_cfg,
+        device: str,
+        weight_dtype: str,
+        api_key=None,
+        transports: list[str] | None = None,
+    ) -> None:
         from rlsys.rollout.client import EngineClient
         from rlsys.sync.distributed import DistributedWeightSync
 
         backend = sync_cfg.backend if sync_cfg.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
         rank0 = torch.distributed.get_rank() == 0
-        clients = [EngineClient(u, sync_cfg.timeout_s) for u in urls] if rank0 else []
+        clients = [EngineClient(u, sync_cfg.timeout_s, api_key=api_key) for u in urls] if rank0 else []
         self.sync = DistributedWeightSync(
             self.topo,
             self.worker.engine.arch,
@@ -115,13 +125,18 @@ class RankWorker:
             timeout_s=sync_cfg.timeout_s,
             verify=sync_cfg.verify,
             weight_dtype=weight_dtype,
+            transports=transports if rank0 else [],
         )
 
     def sync_weights(self, version: int | None = None) -> dict:
         if version is not None:
             self.sync.version = version - 1  # sync() increments: engines see exactly ``version``
         stats = self.sync.sync(self.worker.engine.chunks)
-        return {"sync/seconds": stats.seconds, "sync/bytes": stats.bytes, "sync/buckets": stats.buckets}
+        metrics = {"sync/seconds": stats.seconds, "sync/bytes": stats.bytes, "sync/buckets": stats.buckets}
+        if self.sync.last_verification:  # what sync.verify compared, so a pass says what it means
+            metrics["sync/verified_tensors"] = sum(r.checked for r in self.sync.last_verification)
+            metrics["sync/unverifiable_tensors"] = self.sync.last_unverifiable
+        return metrics
 
     def reconnect_sync(self) -> None:
         self.sync.disconnect()

@@ -6,6 +6,7 @@ broadcasts HF-named tensors, per tensor or as one flattened bucket (``rlsys.sync
 """
 
 import base64
+import contextlib
 import pickle
 import threading
 import time
@@ -126,6 +127,20 @@ def assert_engine_holds(url, path):
     assert r.status_code == 200, r.text
     want = {n: tensor_checksum(t) for n, t in checkpoint_tensors(path)}
     assert r.json()["checksums"] == want
+
+
+@contextlib.contextmanager
+def session(url):
+    """SGLang 0.5.21+'s weight-update session around in-place updates; a second begin is refused."""
+    r = post(url, "/begin_weight_update", {"selector": "all"})
+    assert r.status_code == 200, r.text
+    assert post(url, "/begin_weight_update", {}).status_code == 400
+    try:
+        yield
+    finally:
+        assert post(url, "/end_weight_update", {}).status_code == 200
+    r = post(url, "/end_weight_update", {})
+    assert r.status_code == 400 and "no weight-update session is open" in r.json()["message"]
 
 
 def reset(url, path):
@@ -280,7 +295,7 @@ class Trainer:
             bucket.add(n, t)
         body = {"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes, "group_name": self.group}
         body.update(flush_cache=False, weight_version=version, load_format=load_format)
-        with ThreadPoolExecutor(1) as pool:
+        with session(self.url), ThreadPoolExecutor(1) as pool:
             fut = pool.submit(post, self.url, "/update_weights_from_distributed", body)
             if load_format == "flattened_bucket":
                 dist.broadcast(bucket.flattened(), src=0, group=self.pg)
@@ -386,11 +401,11 @@ def test_release_resume_then_update_from_tensor(qwen2, ckpts):
     }
 
     new = checkpoint_tensors(ckpts["qwen2", 1])
-    r = post(
-        qwen2,
-        "/update_weights_from_tensor",
-        {"serialized_named_tensors": [serialize_tensors(new)], "weight_version": "t1"},
-    )
+    body = {"serialized_named_tensors": [serialize_tensors(new)], "weight_version": "t1"}
+    r = post(qwen2, "/update_weights_from_tensor", body)  # as SGLang 0.5.21+: only inside a session
+    assert r.status_code == 400 and "between begin_weight_update() and end_weight_update()" in r.json()["message"]
+    with session(qwen2):
+        r = post(qwen2, "/update_weights_from_tensor", body)
     assert r.status_code == 200, r.text
     assert_engine_holds(qwen2, ckpts["qwen2", 1])
 
@@ -405,18 +420,20 @@ def test_release_resume_then_update_from_tensor(qwen2, ckpts):
     torch.multiprocessing.set_sharing_strategy("file_system")  # "file_descriptor" needs a related process
     try:
         payload = serialize_flattened_bucket(bucket.aligned())
-        r = post(
-            qwen2,
-            "/update_weights_from_tensor",
-            {"serialized_named_tensors": [payload], "load_format": "flattened_bucket"},
-        )
+        with session(qwen2):
+            r = post(
+                qwen2,
+                "/update_weights_from_tensor",
+                {"serialized_named_tensors": [payload], "load_format": "flattened_bucket"},
+            )
     finally:
         torch.multiprocessing.set_sharing_strategy(strategy)
     assert r.status_code == 200, r.text
     assert_engine_holds(qwen2, ckpts["qwen2", 0])
 
     evil = base64.b64encode(pickle.dumps([("x", print)])).decode()
-    r = post(qwen2, "/update_weights_from_tensor", {"serialized_named_tensors": [evil]})
+    with session(qwen2):
+        r = post(qwen2, "/update_weights_from_tensor", {"serialized_named_tensors": [evil]})
     assert r.status_code == 400 and "refusing to unpickle builtins.print" in r.json()["message"]
 
 

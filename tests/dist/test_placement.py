@@ -16,7 +16,7 @@ import pytest
 from rlsys.config import load_config
 from rlsys.errors import ConfigError
 from rlsys.trainer.placement import Placement, local_gpu_index
-from rlsys.trainer.rollout import start_engines
+from rlsys.rollout.launch import start_engines
 
 ray = pytest.importorskip("ray")
 

@@ -16,7 +16,9 @@ import pytest
 
 from rlsys.rollout import protocol
 from rlsys.rollout.client import EngineClient, EngineError
-from rlsys.rollout.servers import EnginePool, ServerError, ServerProcess, free_port
+from rlsys.local_ranks import free_port
+from rlsys.rollout.pool import EnginePool
+from rlsys.rollout.process import ServerError, ServerProcess
 
 pytestmark = pytest.mark.dist
 

@@ -64,7 +64,8 @@ def _trainer(hf_dir, urls, out_dir):
 
     name = next(iter(sampled.samples))  # a sampled tensor, so both ways of verifying must catch it
     corrupt = torch.full(_shape(hf_dir, name), 0.5)
-    clients[0].update_weights_from_tensor([serialize_tensors([(name, corrupt)])], flush_cache=False)
+    with clients[0].weight_update_session():
+        clients[0].update_weights_from_tensor([serialize_tensors([(name, corrupt)])], flush_cache=False)
     try:
         verify_engines(clients, sync.checks, 60)
     except WeightSyncMismatch as e:

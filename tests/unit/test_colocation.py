@@ -8,11 +8,11 @@ class Log(list):
         log = self
 
         class Role:
-            def offload(self):
-                log.append(f"{name}.offload")
+            def offload(self, what=None):
+                log.append(f"{name}.offload" + (f" {'+'.join(what)}" if what else ""))
 
-            def onload(self):
-                log.append(f"{name}.onload")
+            def onload(self, what=None):
+                log.append(f"{name}.onload" + (f" {'+'.join(what)}" if what else ""))
 
         return Role()
 
@@ -41,6 +41,16 @@ def test_offloaded_roles_leave_at_start_and_visit_the_device_only_while_computin
     with turns.on_device(actor, ref, None):
         log.append("compute")
     assert log == ["actor.onload", "compute", "actor.offload"]
+
+
+def test_a_weight_sync_onloads_only_the_weights():
+    log = Log()
+    actor = log.role("actor")
+    turns = Turns({"actor": actor}, {"actor"}, None, release_engines=False)
+    log.clear()
+    with turns.weights_on_device(actor):
+        log.append("sync")
+    assert log == ["actor.onload params", "sync", "actor.offload params"]
 
 
 def test_a_failing_computation_still_offloads():

@@ -279,7 +279,12 @@ def test_group_disk_and_control_payloads():
 def test_version_range():
     assert protocol.check_server_version(RECORDED_SERVER_INFO["version"]) == "0.5.23"
     assert protocol.check_server_version("0.5.20") == "0.5.20"
-    assert protocol.check_server_version("0.5.99.post1") == "0.5.99.post1"
+    assert protocol.check_server_version("0.5.23.post1") == "0.5.23.post1"
+    # inside the range but never checked: its session rules are unknown, so it is refused before any sync
+    with pytest.raises(protocol.SGLangVersionError, match=r"0\.5\.24, a release rlsys was not checked against"):
+        protocol.check_server_version("0.5.24")
+    with pytest.raises(protocol.SGLangVersionError, match="not checked"):
+        protocol.check_server_version("0.5.23rc1")
     with pytest.raises(protocol.SGLangVersionError, match=r"0\.4\.10.*outside the supported range.*sglang==0\.5\.23"):
         protocol.check_server_version("0.4.10", url="http://h:30000")
     with pytest.raises(protocol.SGLangVersionError, match="outside"):
@@ -287,3 +292,18 @@ def test_version_range():
     with pytest.raises(protocol.SGLangVersionError, match="not a version number"):
         protocol.check_server_version("unknown")
     assert issubclass(protocol.SGLangVersionError, protocol.UserError)
+
+
+def test_weight_update_session_by_release():
+    # read from each release's scheduler weight updater: 0.5.21 added begin/end and made them mandatory
+    assert [protocol.needs_weight_update_session(v) for v in ("0.5.20", "0.5.21", "0.5.22", "0.5.23")] == [
+        False,
+        True,
+        True,
+        True,
+    ]
+    assert protocol.needs_weight_update_session("0.5.23.post2")
+    assert protocol.begin_weight_update_payload() == {"selector": "all"}
+    assert protocol.end_weight_update_payload() == {}
+    with pytest.raises(ValueError, match="selector"):
+        protocol.begin_weight_update_payload("both")

@@ -29,7 +29,7 @@ from test_rollout_protocol import (
     RECORDED_SERVER_INFO,
 )
 
-from rlsys.rollout import protocol, servers
+from rlsys.rollout import launch, protocol
 
 pytestmark = pytest.mark.slow  # one subprocess importing sglang: ~30 s
 
@@ -78,13 +78,28 @@ def _requests() -> dict[str, tuple[str, dict]]:
         "continue": ("ContinueGenerationReqInput", p.continue_generation_payload()),
         "release_memory": ("ReleaseMemoryOccupationReqInput", p.memory_occupation_payload(["kv_cache", "weights"])),
         "resume_memory": ("ResumeMemoryOccupationReqInput", p.memory_occupation_payload(None)),
+        "begin_weight_update": ("BeginWeightUpdateReqInput", p.begin_weight_update_payload()),
+        "end_weight_update": ("EndWeightUpdateReqInput", p.end_weight_update_payload()),
     }
 
 
-LAUNCH = servers.sglang_command(
+LAUNCH = launch.sglang_command(
     "/models/tiny", 2, 30011, 0.6, "bf16", 7, ["--log-level", "warning"], enable_memory_saver=True, base_gpu_id=2
 )
-ROUTER = servers.router_command(["http://127.0.0.1:30011", "http://127.0.0.1:30012"], 30100)
+# SGLang's CPU backend as rlsys launches it (attention backend fixed: the parse must not depend on this CPU)
+LAUNCH_CPU = launch.sglang_command(
+    "/models/tiny",
+    1,
+    30012,
+    0.5,
+    "bf16",
+    3,
+    ["--attention-backend", "torch_native"],
+    device="cpu",
+    api_key="k3y",
+    host="10.0.0.2",
+)
+ROUTER = launch.router_command(["http://127.0.0.1:30011", "http://127.0.0.1:30012"], 30100)
 
 # Paths rlsys calls and the method it uses.
 ENDPOINTS = {
@@ -104,6 +119,8 @@ ENDPOINTS = {
     protocol.RELEASE_MEMORY_OCCUPATION: "POST",
     protocol.RESUME_MEMORY_OCCUPATION: "POST",
     protocol.FLUSH_CACHE: "POST",
+    protocol.BEGIN_WEIGHT_UPDATE: "POST",
+    protocol.END_WEIGHT_UPDATE: "POST",
 }
 
 # Runs inside the contract environment; reads the spec file, prints one JSON report.
@@ -178,6 +195,13 @@ ServerArgs.add_cli_args(parser)
 args = parser.parse_args(cmd[3:])
 report["server_args"] = {k: getattr(args, k) for k in ("model_path", "tp_size", "host", "port", "mem_fraction_static",
     "dtype", "base_gpu_id", "random_seed", "enable_memory_saver", "skip_tokenizer_init", "log_level")}
+args = parser.parse_args(spec["launch_cpu"][3:])
+report["server_args_cpu"] = {k: getattr(args, k) for k in ("device", "attention_backend", "max_total_tokens",
+    "disable_overlap_schedule", "api_key", "dtype", "host")}
+
+# Whether in-place weight updates need a begin/end session: read from the scheduler's weight updater.
+updater = open(sglang.srt.managers.__path__[0] + "/scheduler_components/weight_updater.py").read()
+report["session_required"] = "must run between " in updater and "begin_weight_update()" in updater
 
 # Router command, parsed by sgl-router's parser when it is installed.
 try:
@@ -216,6 +240,7 @@ def report(tmp_path_factory):
         "server_info": RECORDED_SERVER_INFO,
         "model_info": RECORDED_MODEL_INFO,
         "launch": LAUNCH,
+        "launch_cpu": LAUNCH_CPU,
         "router": ROUTER,
     }
     spec_file = tmp_path_factory.mktemp("contract") / "spec.json"
@@ -286,6 +311,23 @@ def test_router_command_parses_with_sgl_router_args(report):
         "port": 30100,
         "policy": "cache_aware",
     }
+
+
+def test_cpu_launch_command_parses_with_sglang_server_args(report):
+    assert report["server_args_cpu"] == {
+        "device": "cpu",
+        "attention_backend": "torch_native",
+        "max_total_tokens": launch.CPU_MAX_TOTAL_TOKENS,
+        "disable_overlap_schedule": True,
+        "api_key": "k3y",
+        "dtype": "bfloat16",
+        "host": "10.0.0.2",
+    }
+
+
+def test_the_session_rule_matches_the_release(report):
+    """rlsys's table says whether this release wants begin/end around updates; its source must agree."""
+    assert protocol.needs_weight_update_session(report["version"]) == report["session_required"]
 
 
 @pytest.mark.parametrize("path", sorted(ENDPOINTS))

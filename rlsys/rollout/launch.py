@@ -1,0 +1,383 @@
+"""Starting rollout engines: the one place they are launched from.
+
+``start_engines`` attaches to running servers (``rollout.urls``), or launches ``rollout.num_engines``
+engines: as local processes, or through an ``EngineHost`` actor on the node of their devices when there
+is a Ray placement. Three kinds of engine, one command builder each:
+
+- SGLang on GPUs (``python -m sglang.launch_server`` in SGLang's own environment, ``rollout.sglang_python``);
+- SGLang's CPU backend (``cluster.device: cpu``): the same server with ``--device cpu``, the environment it
+  needs (``SGLANG_USE_CPU_ENGINE``, preloaded iomp/tcmalloc/tbbmalloc, per-rank core binding) and an
+  attention backend chosen from the CPU's instruction set (``cpu_attention_backend``);
+- rlsys's CPU engine (``rollout.engine: cpu``), SGLang's HTTP API on transformers.
+
+Every engine bound beyond loopback gets an API key (``--api-key``; clients send it), generated per run.
+``rollout.sglang_args`` are appended to every SGLang command line, as slime's ``--sglang-*`` pass-through.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import secrets
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from rlsys.errors import ConfigError
+from rlsys.local_ranks import free_port
+from rlsys.rollout.pool import EnginePool
+from rlsys.rollout.process import ServerProcess
+from rlsys.rollout.remote import RemoteServer
+
+if TYPE_CHECKING:
+    from rlsys.config import RolloutConfig
+    from rlsys.trainer.placement import Placement
+
+# rlsys config dtype names -> SGLang's --dtype values.
+_SGLANG_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# KV cache tokens of a CPU engine unless rollout.sglang_args says otherwise: SGLang needs the number when
+# its threads are bound (SGLANG_CPU_OMP_THREADS_BIND), since it cannot size the cache from device memory.
+CPU_MAX_TOTAL_TOKENS = 16384
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+# ------------------------------------------------------------ SGLang on the CPU
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    """The instruction-set flags of this machine's CPU (empty where /proc/cpuinfo has none)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_attention_backend(flags: set[str] | None = None) -> str:
+    """SGLang's attention backend for this CPU: ``intel_amx`` with AMX-BF16 (its fast path: AMX-packed
+    linear weights), ``torch_native`` with AVX-512 + AVX512-BF16 but no AMX (measured on an AMD EPYC: serves
+    and syncs weights). The sgl-kernel CPU build needs at least AVX-512 with BF16."""
+    flags = cpu_flags() if flags is None else flags
+    if {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"} <= flags:
+        return "intel_amx"
+    if {"avx512f", "avx512_bf16"} <= flags:
+        return "torch_native"
+    missing = sorted({"avx512f", "avx512_bf16"} - flags)
+    raise ConfigError(
+        f"rollout.engine 'sglang' on cluster.device 'cpu' needs a CPU with AVX-512 and AVX512-BF16 (SGLang's CPU "
+        f"kernels); this one lacks {', '.join(missing)}: use rollout.engine: cpu (rlsys's CPU engine), or attach "
+        "to a running server with rollout.urls"
+    )
+
+
+def core_binding(engine: int, num_engines: int, tp: int, cores: Sequence[int]) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` of ``engine``: each of its TP ranks a contiguous share of ``cores``
+    (``"0-3|4-7"``), disjoint from every other engine's ranks on the node; with fewer cores than ranks they
+    share cores round robin. The trainer ranks need no cores of their own: on CPU the loop alternates, so
+    engines compute only while the trainer waits for their samples."""
+    cores, ranks = sorted(cores), num_engines * tp
+    if not cores:
+        raise ValueError("no cores to bind the engine to")
+    per = len(cores) // ranks
+    spans = []
+    for t in range(tp):
+        g = engine * tp + t
+        mine = cores[g * per : (g + 1) * per] if per else [cores[g % len(cores)]]
+        spans.append(_span(mine))
+    return "|".join(spans)
+
+
+def _span(cores: list[int]) -> str:
+    if cores == list(range(cores[0], cores[-1] + 1)):
+        return str(cores[0]) if len(cores) == 1 else f"{cores[0]}-{cores[-1]}"
+    return ",".join(map(str, cores))
+
+
+def sglang_cpu_env(python: str, binding: str) -> dict[str, str]:
+    """The environment of a CPU SGLang server (see ``shared/sglang-cpu/README.md``): its engine switch, the
+    core binding, and Intel OpenMP plus the two allocators preloaded where they are installed."""
+    arch = platform.machine()
+    candidates = [
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(python))), "lib", "libiomp5.so"),
+        f"/usr/lib/{arch}-linux-gnu/libtcmalloc.so.4",
+        f"/usr/lib/{arch}-linux-gnu/libtbbmalloc.so.2",
+    ]
+    env = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_CPU_OMP_THREADS_BIND": binding}
+    preload = [p for p in candidates if os.path.exists(p)]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    return env
+
+
+# ------------------------------------------------------------ command lines
+
+
+def sglang_command(
+    model_path: str,
+    tp: int,
+    port: int,
+    mem_fraction: float,
+    dtype: str = "bfloat16",
+    seed: int | None = None,
+    extra_args: Sequence[str] = (),
+    *,
+    python: str = "python3",
+    host: str = "127.0.0.1",
+    base_gpu_id: int = 0,
+    enable_memory_saver: bool = False,
+    skip_tokenizer_init: bool = False,
+    device: str = "cuda",
+    api_key: str | None = None,
+    cpu_env: dict[str, str] | None = None,
+) -> list[str]:
+    """``python -m sglang.launch_server`` with rlsys's settings (flags of sglang ``ServerArgs``).
+
+    ``python`` is the interpreter of SGLang's own environment (config ``rollout.sglang_python``).
+    ``base_gpu_id``: first GPU of this engine (engine i of tp GPUs each: ``i * tp``). Keep the tokenizer
+    unless every stop condition is a token id: stop strings and ``text`` in replies need it.
+    ``device="cpu"``: SGLang's CPU backend; ``cpu_env`` (``sglang_cpu_env``) is put in front with ``env`` so
+    that the command line alone starts it, here or on another node.
+    """
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--tp-size", str(int(tp))]
+    cmd += ["--host", host, "--port", str(int(port)), "--mem-fraction-static", str(float(mem_fraction))]
+    cmd += ["--dtype", _SGLANG_DTYPES.get(dtype, dtype)]
+    extra = [str(a) for a in extra_args]
+    if device == "cpu":
+        cmd += ["--device", "cpu", "--disable-overlap-schedule"]
+        if "--attention-backend" not in extra:
+            cmd += ["--attention-backend", cpu_attention_backend()]
+        if "--max-total-tokens" not in extra:
+            cmd += ["--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS)]
+    else:
+        cmd += ["--base-gpu-id", str(int(base_gpu_id))]
+    if seed is not None:
+        cmd += ["--random-seed", str(int(seed))]
+    if enable_memory_saver:
+        cmd.append("--enable-memory-saver")
+    if skip_tokenizer_init:
+        cmd.append("--skip-tokenizer-init")
+    if api_key:
+        cmd += ["--api-key", api_key]
+    cmd += extra
+    if cpu_env:
+        cmd = ["env", *(f"{k}={v}" for k, v in cpu_env.items()), *cmd]
+    return cmd
+
+
+def cpu_engine_command(model_dir: str, seed: int, host: str, port: int, api_key: str | None = None) -> list:
+    # sys.executable of the process that builds the command: the engine's host on a remote node
+    command = [sys.executable, "-m", "rlsys.rollout.cpu_engine", "--model-path", model_dir, "--host", host]
+    command += ["--port", port, "--seed", seed, "--dtype", "float32"]
+    return command + (["--api-key", api_key] if api_key else [])
+
+
+def router_command(
+    worker_urls: Sequence[str],
+    port: int,
+    *,
+    python: str = "python3",
+    host: str = "127.0.0.1",
+    policy: str = "cache_aware",
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """sgl-router in front of ``worker_urls`` (``python -m sglang_router.launch_router``). ``cache_aware``
+    sends prompts with a common prefix to the same engine, which keeps GRPO groups together."""
+    cmd = [python, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls]
+    cmd += ["--host", host, "--port", str(int(port)), "--policy", policy]
+    return cmd + [str(a) for a in extra_args]
+
+
+def sglang_router_available(python: str = "python3", timeout_s: float = 60.0) -> bool:
+    """Whether ``sglang_router`` imports in the environment of ``python`` (SGLang's, not rlsys's)."""
+    try:
+        done = subprocess.run([python, "-c", "import sglang_router"], capture_output=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def sglang_router(
+    worker_urls: Sequence[str],
+    *,
+    python: str = "python3",
+    host: str = "127.0.0.1",
+    policy: str = "cache_aware",
+    env: dict[str, str] | None = None,
+    log_file: str | None = None,
+) -> ServerProcess:
+    """An sgl-router process (not started) in front of ``worker_urls``, on a free port of ``host``."""
+    port = free_port(host)
+    command = router_command(worker_urls, port, python=python, host=host, policy=policy)
+    return ServerProcess(command, f"http://{host}:{port}", env=env, log_file=log_file, name="sglang-router")
+
+
+# ------------------------------------------------------------ engines of a run
+
+
+def engine_dtype(cfg: RolloutConfig, model_dtype: str, device: str) -> str:
+    """``rollout.dtype``; ``auto`` serves the trainer's dtype on GPU and bf16 on SGLang's CPU backend (its
+    kernels are bf16)."""
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    return "bf16" if device == "cpu" and cfg.engine == "sglang" else model_dtype
+
+
+def _engine_command(
+    memory_saver: bool,
+    cfg: RolloutConfig,
+    model_dir: str,
+    dtype: str,
+    seed: int,
+    device: str,
+    index: int,
+    *,
+    api_key,
+    base_gpu_id: int = 0,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+) -> list:
+    """Engine ``index``'s command line; evaluated on the engine's node (``EngineHost``) when placed."""
+    port = free_port(host) if port is None else port
+    key = api_key if host not in LOOPBACK else None
+    if cfg.engine == "cpu":
+        return cpu_engine_command(model_dir, seed + index, host, port, key)
+    cpu_env = None
+    if device == "cpu":
+        binding = core_binding(index, cfg.num_engines, cfg.tp, sorted(os.sched_getaffinity(0)))
+        cpu_env = {**sglang_cpu_env(cfg.sglang_python, binding), **cfg.sglang_env}
+    return sglang_command(
+        model_dir,
+        cfg.tp,
+        port,
+        cfg.mem_fraction,
+        dtype,
+        seed + index,
+        cfg.sglang_args,
+        python=cfg.sglang_python,
+        host=host,
+        base_gpu_id=base_gpu_id,
+        enable_memory_saver=memory_saver,
+        device=device,
+        api_key=key,
+        cpu_env=cpu_env,
+    )
+
+
+def start_engines(
+    cfg: RolloutConfig,
+    model_dir: str,
+    model_dtype: str,
+    seed: int,
+    log_dir: str,
+    placement: Placement | None = None,
+    device: str = "cuda",
+    memory_saver: bool = False,
+) -> EnginePool:
+    """Attach to ``rollout.urls``, or launch ``num_engines`` engines serving ``model_dir``: on the devices
+    ``placement`` gives them (each through an ``EngineHost`` actor on its node), or without a placement as
+    local processes on the first devices of this machine. ``memory_saver``: SGLang's
+    ``--enable-memory-saver``, for engines that release their memory between rollouts. Engine ``i`` is
+    seeded ``seed + i``: engines with one seed would draw the same samples for the same batch."""
+    os.makedirs(log_dir, exist_ok=True)
+    if cfg.urls:
+        return EnginePool.attach(cfg.urls, timeout_s=cfg.sync.timeout_s, api_key=cfg.api_key)
+    if cfg.weight_dtype == "fp8":
+        from rlsys.sync.fp8 import write_fp8_checkpoint
+
+        # SGLang allocates FP8 parameters only when it starts on an FP8 checkpoint
+        model_dir = write_fp8_checkpoint(model_dir, os.path.join(log_dir, "..", "fp8_model"))
+    dtype = engine_dtype(cfg, model_dtype, device)
+    api_key = cfg.api_key or secrets.token_hex(16)
+    kind = "sglang" if cfg.engine == "sglang" else "cpu_engine"
+    build = functools.partial(_engine_command, memory_saver, cfg, model_dir, dtype, seed, device, api_key=api_key)
+    servers = []
+    try:
+        for i in range(cfg.num_engines):
+            log, name = os.path.join(log_dir, f"{kind}_{i}.log"), f"{kind}[{i}]"
+            if placement is not None:
+                gpu = placement.gpu_id(placement.engine_devices(i)[0]) or 0
+                command = functools.partial(_placed_command, build, i, gpu)
+                servers.append(RemoteServer(command, options=placement.engine_options(i), log_file=log, name=name))
+            else:
+                port = free_port("127.0.0.1")
+                command = build(i, base_gpu_id=i * cfg.tp, port=port)
+                servers.append(ServerProcess(command, f"http://127.0.0.1:{port}", log_file=log, name=name))
+        urls = [s.url for s in servers]  # placed: waits for the hosts, which start in parallel
+    except BaseException:
+        for s in servers:
+            s.close() if isinstance(s, RemoteServer) else s.stop()
+        raise
+    router = None
+    if cfg.engine == "sglang" and len(servers) > 1 and sglang_router_available(cfg.sglang_python):
+        router = sglang_router(urls, python=cfg.sglang_python, log_file=os.path.join(log_dir, "sglang_router.log"))
+    health_timeout_s = 900 if cfg.engine == "sglang" else 300
+    keyed = any(s.url.split("//")[1].rsplit(":", 1)[0] not in LOOPBACK for s in servers)
+    return EnginePool.launch(
+        servers,
+        router=router,
+        timeout_s=cfg.sync.timeout_s,
+        health_timeout_s=health_timeout_s,
+        api_key=api_key if keyed else None,
+    )
+
+
+def _placed_command(build, index: int, gpu: int, host: str, port: int) -> list:
+    return build(index, base_gpu_id=gpu, host=host, port=port)
+
+
+def launch_sglang_pool(
+    model_path: str,
+    *,
+    num_engines: int = 1,
+    tp: int = 1,
+    mem_fraction: float = 0.5,
+    dtype: str = "bfloat16",
+    seed: int | None = None,
+    python: str = "python3",
+    host: str = "127.0.0.1",
+    ports: Sequence[int] | None = None,
+    base_gpu_id: int = 0,
+    enable_memory_saver: bool = False,
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    log_dir: str | None = None,
+    use_router: bool | None = None,
+    router_policy: str = "cache_aware",
+    **pool_kwargs,
+) -> EnginePool:
+    """Launch ``num_engines`` SGLang servers of ``tp`` GPUs each (engine i on GPUs ``base_gpu_id + i*tp``
+    onward) and, if ``use_router`` (None: when sglang_router imports in SGLang's env), an sgl-router.
+    For scripts that drive SGLang without a run config; ``start_engines`` is the run's path."""
+    ports = list(ports) if ports is not None else [free_port(host) for _ in range(num_engines)]
+    if len(ports) != num_engines:
+        raise ValueError(f"{len(ports)} ports for {num_engines} engines")
+    servers = []
+    for i, port in enumerate(ports):
+        command = sglang_command(
+            model_path,
+            tp,
+            port,
+            mem_fraction,
+            dtype,
+            None if seed is None else seed + i,
+            extra_args,
+            python=python,
+            host=host,
+            base_gpu_id=base_gpu_id + i * tp,
+            enable_memory_saver=enable_memory_saver,
+        )
+        log_file = os.path.join(log_dir, f"sglang_{i}.log") if log_dir else None
+        servers.append(ServerProcess(command, f"http://{host}:{port}", env=env, log_file=log_file, name=f"sglang[{i}]"))
+    if use_router is None:
+        use_router = num_engines > 1 and sglang_router_available(python)
+    router = None
+    if use_router:
+        log_file = os.path.join(log_dir, "sglang_router.log") if log_dir else None
+        urls = [s.url for s in servers]
+        router = sglang_router(urls, python=python, host=host, policy=router_policy, env=env, log_file=log_file)
+    return EnginePool.launch(servers, router=router, **pool_kwargs)

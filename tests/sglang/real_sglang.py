@@ -1,0 +1,83 @@
+"""Helpers of the real-SGLang test group: SGLang 0.5.23's CPU backend, built by ``setup_sglang_cpu.sh``.
+
+Every test here skips, quoting the one-line reason, where that environment could not be built (no
+``../shared/sglang-cpu``, a CPU without AVX-512 BF16); ``make test`` prints skip reasons (``-rs``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from rlsys.local_ranks import free_port
+from rlsys.rollout.client import EngineClient
+from rlsys.rollout.launch import core_binding, sglang_command, sglang_cpu_env
+from rlsys.rollout.process import ServerProcess
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VENV = os.environ.get("RLSYS_SGLANG_CPU_VENV", os.path.join(REPO, ".sglang_cpu"))
+# The shape of the e2e runs: llama (SGLang's Llama class answers get_weights_by_name, which sync.verify
+# reads), the synthetic task's 35-token vocabulary, untied embeddings.
+TINY_LLAMA = dict(
+    vocab_size=35,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    eos_token_id=1,
+    pad_token_id=0,
+)
+
+
+def sglang_python() -> str:
+    python = os.path.join(VENV, "bin", "python")
+    if os.path.exists(python) and os.path.exists(os.path.join(VENV, ".sglang-cpu-ready")):
+        return python
+    reason_file = VENV + ".skip"
+    if os.path.exists(reason_file):
+        with open(reason_file) as f:
+            reason = f.read().strip()
+    else:
+        reason = f"no SGLang CPU environment at {VENV}: run tests/sglang/setup_sglang_cpu.sh (make test does)"
+    pytest.skip(f"real SGLang: {reason}")
+
+
+def start_sglang(
+    python: str, model: str, log_dir: str, *, tp: int = 1, index: int = 0, engines: int = 1, extra: tuple = ()
+) -> tuple[ServerProcess, EngineClient]:
+    """A real SGLang CPU server the way ``rlsys.rollout.launch`` starts one, healthy and version-checked."""
+    port = free_port()
+    binding = core_binding(index, engines, tp, sorted(os.sched_getaffinity(0)))
+    cmd = sglang_command(
+        model,
+        tp,
+        port,
+        0.5,
+        "bfloat16",
+        7 + index,
+        list(extra),
+        python=python,
+        device="cpu",
+        cpu_env=sglang_cpu_env(python, binding),
+    )
+    server = ServerProcess(
+        cmd,
+        f"http://127.0.0.1:{port}",
+        log_file=os.path.join(log_dir, f"sglang_{port}.log"),
+        name=f"sglang[{index}]",
+        stop_grace_s=5,
+    )
+    server.start()
+    try:
+        server.wait_healthy(timeout_s=240)
+    except BaseException:
+        server.stop()
+        raise
+    client = EngineClient(server.url, timeout_s=120)
+    client.check_version()
+    return server, client
