@@ -43,7 +43,7 @@ demo: install
 
 bench: install
 	@for b in benchmarks/*.py; do \
-	  case $$b in *gpu_train.py) continue;; *sync.py) args="$${SYNC_BENCH_ARGS---quick}";; *) args="";; esac; \
+	  case $$b in *gpu_*.py) continue;; *sync.py) args="$${SYNC_BENCH_ARGS---quick}";; *) args="";; esac; \
 	  echo "== $$b $$args"; $(PY) $$b $$args || exit 1; done
 
 lint: install

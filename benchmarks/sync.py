@@ -76,6 +76,7 @@ LAYOUTS = {"tp2": {"tp": 2}, "pp2": {"pp": 2}}
 ENGINE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 # The CPU engine (like SGLang) skips names containing rotary_emb.inv_freq: the wire test's buckets land nowhere.
 WIRE_NAME = "rlsys_bench.rotary_emb.inv_freq"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -223,7 +224,13 @@ class Probe:
         class TimedClient:
             def __getattr__(self, name):
                 attr = getattr(client, name)
-                if name in ("pause_generation", "flush_cache", "continue_generation"):
+                if name in (
+                    "pause_generation",
+                    "flush_cache",
+                    "continue_generation",
+                    "begin_weight_update",
+                    "end_weight_update",
+                ):
                     return probe.timed("control", attr)
                 return attr
 
@@ -412,14 +419,14 @@ def _wire(sync, client, buf, sizes: list[int], timeout: float) -> float:
     import torch.distributed as dist
 
     start = time.perf_counter()
-    with ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(1) as pool, client.weight_update_session(timeout_s=timeout):
         for n in sizes:
             reply = pool.submit(
                 client.update_weights_from_distributed,
                 [WIRE_NAME],
                 ["uint8"],
                 [[n]],
-                group_name=sync.group_name,
+                group_name=sync.active_group_name,
                 flush_cache=False,
                 load_format="flattened_bucket",
                 timeout_s=timeout,
@@ -430,6 +437,26 @@ def _wire(sync, client, buf, sizes: list[int], timeout: float) -> float:
 
 
 # ---- driver ----------------------------------------------------------------------------------------
+
+
+def _launch_sglang(python: str, hf_dir: str, timeout: float, tmp: str):
+    """The real SGLang server on ``hf_dir`` (CPU backend, bf16, no tokenizer: the checkpoints have none), as
+    ``rlsys.rollout.launch`` starts one; returns ``(ServerProcess, url)``."""
+    from rlsys.local_ranks import free_port
+    from rlsys.rollout.launch import core_binding, sglang_command, sglang_cpu_env
+    from rlsys.rollout.process import ServerProcess
+
+    if not os.path.exists(python):
+        sys.exit(f"--engine sglang: no SGLang interpreter at {python}; run tests/sglang/setup_sglang_cpu.sh")
+    port = free_port()
+    env = sglang_cpu_env(python, core_binding(0, 1, 1, sorted(os.sched_getaffinity(0))))
+    cmd = sglang_command(
+        hf_dir, 1, port, 0.5, "bf16", 0, [], python=python, device="cpu", cpu_env=env, skip_tokenizer_init=True
+    )
+    server = ServerProcess(cmd, f"http://127.0.0.1:{port}", log_file=os.path.join(tmp, "sglang.log"), name="sglang")
+    server.start()
+    server.wait_healthy(timeout_s=timeout)
+    return server, server.url
 
 
 def summarize(size: str, params: int, layout: str, bucket_mb: str, runs: dict, naive: list) -> dict:
@@ -517,6 +544,17 @@ def main() -> int:
     parser.add_argument("--naive-repeats", type=int, default=2, help="timed save + reload-from-disk per layout")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for any engine call or broadcast")
     parser.add_argument("--quick", action="store_true", help="smoke run: 50m, tp2, 2 repeats, 1 naive")
+    parser.add_argument(
+        "--engine",
+        choices=("cpu", "sglang"),
+        default="cpu",
+        help="rlsys's CPU engine, or the real SGLang server (CPU backend, bf16)",
+    )
+    parser.add_argument(
+        "--sglang-python",
+        default=os.path.join(REPO, ".sglang_cpu", "bin", "python"),
+        help="SGLang's interpreter for --engine sglang (tests/sglang/setup_sglang_cpu.sh builds it)",
+    )
     parser.add_argument("--json", help="write the results here (default: benchmarks/results/sync_<timestamp>.json)")
     args = parser.parse_args()
     if args.quick:
@@ -548,7 +586,10 @@ def main() -> int:
             params = write_start_checkpoint(size, hf_dir)
             ckpt_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            proc, url = launch_cpu_engine(hf_dir, dtype=ENGINE_DTYPES[dtype], timeout_s=args.timeout)
+            if args.engine == "sglang":
+                proc, url = _launch_sglang(args.sglang_python, hf_dir, args.timeout, tmp)
+            else:
+                proc, url = launch_cpu_engine(hf_dir, dtype=ENGINE_DTYPES[dtype], timeout_s=args.timeout)
             engine_s = time.perf_counter() - t0
             print(
                 f"[{size}] {params / 1e6:.0f}M params {dtype}: checkpoint written in {ckpt_s:.1f}s, "
@@ -577,13 +618,16 @@ def main() -> int:
                             flush=True,
                         )
             finally:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except Exception:
-                    proc.kill()
-                with contextlib.suppress(OSError):
-                    os.remove(proc.log_path)
+                if args.engine == "sglang":
+                    proc.stop()
+                else:
+                    proc.terminate()
+                    try:
+                        proc.wait(timeout=30)
+                    except Exception:
+                        proc.kill()
+                    with contextlib.suppress(OSError):
+                        os.remove(proc.log_path)
     runtime = time.perf_counter() - started
     print()
     print_tables(rows)

@@ -29,11 +29,11 @@ def _cmd_plan(args) -> int:
 
 def _cmd_train(args) -> int:
     from rlsys.config import load_config
-    from rlsys.plan import model_arch, validate_layout
+    from rlsys.plan import build_plan, model_arch
     from rlsys.trainer.loop import train
 
     cfg = load_config(args.config, args.overrides)
-    validate_layout(cfg, model_arch(cfg.model))
+    build_plan(cfg, model_arch(cfg.model))  # every check rlsys plan makes, memory fit included
     mode = "rollout" if args.rollout_only else "train" if args.train_only is not None else "full"
     history = train(cfg, use_ray=not args.no_ray, mode=mode, replay_dir=args.train_only or None)
     if history:

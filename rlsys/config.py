@@ -251,6 +251,7 @@ class ClusterConfig:
     devices_per_node: int = 8
     device: Literal["cpu", "cuda"] = "cuda"
     colocate: bool = True  # training roles and rollout engines share all devices, taking turns
+    device_memory_gib: float | None = None  # usable memory of one device (nvidia-smi); set: rlsys plan checks the fit
     ray_address: str | None = None  # existing Ray cluster; None = start a local one
 
 

@@ -11,6 +11,7 @@ devices, and parameter and memory estimates (``rlsys.sizing``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from rlsys.config import ROLES, ModelConfig, ParallelConfig, RoleConfig, RunConfig
 from rlsys.convert.hf_config import ModelArch, arch_from_dict, read_arch
 from rlsys.errors import ConfigError, UserError
+from rlsys.memory_plan import check_fit
 from rlsys.sizing import (
     MemoryEstimate,
     ParamCount,
@@ -282,6 +284,31 @@ def _check_rollout(cfg: RunConfig, arch: ModelArch) -> None:
         )
 
 
+def check_engines_fit(cfg: RunConfig) -> None:
+    """Each engine must sit inside one node: rlsys launches single-node SGLang servers (a larger model is
+    served in FP8, ``rollout.weight_dtype: fp8``, or with more, smaller engines)."""
+    per_node, tp = cfg.cluster.devices_per_node, cfg.rollout.tp
+    if rollout_devices(cfg) == 0:
+        return
+    if tp > per_node:
+        raise ConfigError(
+            "rollout.tp",
+            f"{tp} is invalid: engines larger than a node (cluster.devices_per_node = {per_node}) are not "
+            "supported; use rollout.tp <= cluster.devices_per_node (rollout.weight_dtype: fp8 halves the "
+            "engine weights) and more engines",
+        )
+    offset = device_offsets(cfg, role_world_sizes(cfg))["rollout"]
+    for i in range(cfg.rollout.num_engines):
+        first = offset + i * tp
+        if first // per_node != (first + tp - 1) // per_node:
+            raise ConfigError(
+                "rollout.tp",
+                f"engine {i} would take devices {first}..{first + tp - 1}, across two nodes of "
+                f"{per_node} devices; size the training roles (actor/critic world_size) so that the rollout "
+                f"devices start at a multiple of rollout.tp = {tp}",
+            )
+
+
 def sync_transports(cfg: RunConfig) -> list[str]:
     """How each engine receives the weights (``rlsys.sync.distributed``): ``tensor`` (colocated:
     ``update_weights_from_tensor``, CUDA IPC on GPU, shared memory on CPU) or ``broadcast`` (a weight-update
@@ -324,6 +351,7 @@ def validate_layout(cfg: RunConfig, arch: ModelArch) -> None:
     for name, size in sizes.items():
         _check_role(name, getattr(cfg, name), size, arch, cfg)
     _check_rollout(cfg, arch)
+    check_engines_fit(cfg)
     sync_transports(cfg)
 
 
@@ -397,6 +425,7 @@ class Plan:
     rollout_tp: int
     engines: tuple[EnginePlan, ...]  # empty when attached by URL
     rollout_urls: tuple[str, ...]
+    phases: tuple = ()  # rlsys.memory_plan.Phase per phase, when cluster.device_memory_gib is set
 
     def role(self, name: str) -> RolePlan:
         return next(r for r in self.roles if r.name == name)
@@ -497,7 +526,7 @@ def build_plan(cfg: RunConfig, arch: ModelArch) -> Plan:
             for e in range(r.num_engines)
         )
     )
-    return Plan(
+    plan = Plan(
         model_type=arch.model_type,
         params=count_params(arch),
         dtype=cfg.model.dtype,
@@ -512,6 +541,7 @@ def build_plan(cfg: RunConfig, arch: ModelArch) -> Plan:
         engines=engines,
         rollout_urls=tuple(r.urls),
     )
+    return dataclasses.replace(plan, phases=tuple(check_fit(cfg, plan, arch)))
 
 
 # ------------------------------------------------------------------- render
@@ -577,6 +607,14 @@ def _memory_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def _phase_lines(plan: Plan) -> list[str]:
+    if not plan.phases:
+        return []
+    return ["", "memory per device by phase, GiB (the fullest device; rlsys.memory_plan):"] + [
+        f"  {p.describe()}" for p in plan.phases
+    ]
+
+
 def render_plan(plan: Plan) -> str:
     p = plan.params
     moe = p.experts > 0
@@ -593,4 +631,5 @@ def render_plan(plan: Plan) -> str:
         lines += _role_lines(role, moe)
     lines += _rollout_lines(plan)
     lines += _memory_lines(plan)
+    lines += _phase_lines(plan)
     return "\n".join(lines) + "\n"

@@ -1,5 +1,10 @@
 """Colocated sync payloads: CUDA IPC handles for SGLang's ``update_weights_from_tensor``.
 
+On CPU the same payload carries the tensor bytes inline (plain pickle), not torch's shared-memory handles:
+SGLang's scheduler cannot fetch a file descriptor from the sender (``file_descriptor`` sharing brings the
+server down), and ``file_system`` sharing starts a ``torch_shm_manager`` daemon that outlives the sender,
+holding its inherited descriptors (a spawned trainer rank then never reads as exited).
+
 When trainer and engine share GPUs, each SGLang TP rank receives a handle to a flattened
 bucket living on *its own* GPU (no copy through the network): the payload is a list with one
 base64 string per TP rank, each a pickled ``{"flattened_tensor": uint8 tensor, "metadata":
@@ -21,6 +26,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
+import pickle
 import sys
 import types
 from dataclasses import dataclass
@@ -96,6 +102,8 @@ def serialize_flattened_bucket(bucket: Bucket) -> str:
     """
     with _metadata_importable() as cls:
         metadata = [cls(**vars(m)) for m in bucket_metadata(bucket)]
+        flat = bucket.flattened()
         buf = io.BytesIO()
-        _UUIDPickler(buf).dump({"flattened_tensor": bucket.flattened(), "metadata": metadata})
+        pickler = _UUIDPickler(buf) if flat.is_cuda else pickle.Pickler(buf)
+        pickler.dump({"flattened_tensor": flat, "metadata": metadata})
     return base64.b64encode(buf.getvalue()).decode()

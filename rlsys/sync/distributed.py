@@ -51,9 +51,8 @@ The group: the trainer is rank 0, engine ``i``'s TP rank ``t`` is ``1 + sum(tp o
 
 Transports, one per engine (``transports``; ``rlsys.plan.sync_transports`` picks them): ``broadcast`` joins the
 group above; ``tensor`` (colocated: the engine shares rank 0's node) receives each bucket as SGLang's
-``FlattenedTensorBucket`` payload of ``update_weights_from_tensor``: a CUDA IPC handle on GPU
-(``rlsys.sync.colocated``), a shared-memory CPU tensor on CPU (torch's ``file_system`` sharing: SGLang's
-scheduler cannot fetch a file descriptor from the sender, and a payload it cannot open takes the server down).
+``FlattenedTensorBucket`` payload of ``update_weights_from_tensor``: a CUDA IPC handle on GPU, the
+tensor bytes inline on CPU (``rlsys.sync.colocated`` says why not shared memory).
 NCCL refuses a group with two ranks on one GPU, which is what a broadcast into a colocated engine would be.
 A tensor-transport bucket is flattened into a fresh tensor (SGLang reads it after the call returns on GPU) and
 sent as the same payload to each of the engine's TP ranks.
@@ -141,8 +140,6 @@ class DistributedWeightSync:
             raise ValueError(f"transports must be 'broadcast' or 'tensor' per engine, got {self.transports!r}")
         self.broadcast_engines = [e for e, t in zip(engines, self.transports) if t == "broadcast"]
         self.tensor_engines = [(e, tp) for e, tp, t in zip(engines, engine_tp, self.transports) if t == "tensor"]
-        if self.tensor_engines and topo.device.type == "cpu":
-            torch.multiprocessing.set_sharing_strategy("file_system")  # see the module docstring
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.load_format, self.backend, self.timeout_s = load_format, backend, timeout_s
         self.master_address = master_address or node_address()  # rank 0's node, as its engines' hosts see it

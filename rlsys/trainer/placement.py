@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from rlsys.config import RunConfig
 from rlsys.errors import ConfigError
-from rlsys.plan import device_offsets, role_world_sizes, rollout_devices
+from rlsys.plan import check_engines_fit, device_offsets, role_world_sizes, rollout_devices
 
 SHARE = 0.2  # of a bundle's GPU and CPU per process: up to five processes per device
 # Ray leaves CUDA_VISIBLE_DEVICES alone with this set: the process sees every GPU of its node. Ranks and
@@ -76,7 +76,7 @@ class Placement:
         Ray cluster cannot hold ``cluster.nodes * cluster.devices_per_node`` devices within ``timeout_s``."""
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        _check_engines_fit(cfg)
+        check_engines_fit(cfg)  # also part of rlsys plan (validate_layout); cheap to repeat before Ray works
         c, cuda = cfg.cluster, cfg.cluster.device == "cuda"
         total = c.nodes * c.devices_per_node
         if cuda:
@@ -220,29 +220,6 @@ def _check_nodes(devices: list[Device], nodes: int, per_node: int) -> None:
             f"cluster.nodes = {nodes} nodes of cluster.devices_per_node = {per_node} devices each; "
             "set them to the cluster's real shape, or free whole nodes",
         )
-
-
-def _check_engines_fit(cfg: RunConfig) -> None:
-    """Each engine must sit inside one node: rlsys launches single-node SGLang servers."""
-    per_node, tp = cfg.cluster.devices_per_node, cfg.rollout.tp
-    if rollout_devices(cfg) == 0:
-        return
-    if tp > per_node:
-        raise ConfigError(
-            "rollout.tp",
-            f"{tp} is invalid: engines larger than a node (cluster.devices_per_node = {per_node}) are not "
-            "supported; use rollout.tp <= cluster.devices_per_node and more engines",
-        )
-    offset = device_offsets(cfg, role_world_sizes(cfg))["rollout"]
-    for i in range(cfg.rollout.num_engines):
-        first = offset + i * tp
-        if first // per_node != (first + tp - 1) // per_node:
-            raise ConfigError(
-                "rollout.tp",
-                f"engine {i} would take devices {first}..{first + tp - 1}, across two nodes of "
-                f"{per_node} devices; size the training roles (actor/critic world_size) so that the rollout "
-                f"devices start at a multiple of rollout.tp = {tp}",
-            )
 
 
 def _summary(cuda: bool) -> str:

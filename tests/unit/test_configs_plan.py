@@ -8,6 +8,7 @@ hardware and the layout.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import pytest
 
 from rlsys.cli import main
 from rlsys.config import RunConfig, load_config
+from rlsys.errors import ConfigError
 from rlsys.plan import Plan, build_plan, model_arch, sequence_length
 from rlsys.sizing import count_params, padded_vocab
 
@@ -51,7 +53,7 @@ CONFIGS = {
         "H200 141GB", 16, "TP4 x PP4 x CP2 x EP16 x DP2", (24, 24, 24, 22), (8, 8), False
     ),
     "deepseek-v3-671b-grpo.yaml": Expected(
-        "H200 141GB", 16, "TP8 x PP4 x CP1 x EP32 x DP4", (16, 16, 16, 13), (8, 16), True
+        "H200 141GB", 16, "TP8 x PP4 x CP1 x EP32 x DP4", (16, 16, 16, 13), (16, 8), True
     ),
 }
 
@@ -66,15 +68,9 @@ H100_ALTERNATIVES = {
         "actor.parallel.pp=8",
         "actor.parallel.first_stage_layers=12",
         "actor.parallel.last_stage_layers=10",
-        "rollout.tp=16",
+        "rollout.tp=8",
+        "rollout.weight_dtype=fp8",
         "rollout.mem_fraction=0.7",
-    ],
-    "deepseek-v3-671b-grpo.yaml": [
-        "cluster.nodes=32",
-        "actor.parallel.pp=8",
-        "actor.parallel.last_stage_layers=5",
-        "rollout.tp=32",
-        "rollout.mem_fraction=0.85",
     ],
 }
 
@@ -142,13 +138,14 @@ def peak_bytes_per_device(cfg: RunConfig, plan: Plan) -> int:
 
 
 def _check_fits(cfg: RunConfig, plan: Plan, gpu: str) -> None:
-    usable = USABLE_GIB[gpu]
-    need = peak_bytes_per_device(cfg, plan) / GIB + OVERHEAD_GIB
-    assert need <= HEADROOM * usable, f"{need:.1f} GiB per device > {HEADROOM} x {usable} GiB ({gpu})"
-    # The rollout engines load bf16 weights split over their TP ranks, inside their mem_fraction.
-    engine_weights = count_params(model_arch(cfg.model)).total * 2 / cfg.rollout.tp / GIB
-    budget = ENGINE_WEIGHT_SHARE * cfg.rollout.mem_fraction * usable
-    assert engine_weights <= budget, f"engine weights {engine_weights:.1f} GiB per GPU > {budget:.1f} GiB"
+    """rlsys's own fit check (``rlsys.memory_plan``, part of ``build_plan``) on ``gpu``; AssertionError if not."""
+    cluster = dataclasses.replace(cfg.cluster, device_memory_gib=USABLE_GIB[gpu])
+    try:
+        build_plan(dataclasses.replace(cfg, cluster=cluster), model_arch(cfg.model))
+    except ConfigError as e:
+        raise AssertionError(str(e)) from None
+    # and what the plan leaves out by construction stays small against the device
+    assert peak_bytes_per_device(cfg, plan) / GIB + OVERHEAD_GIB <= HEADROOM * USABLE_GIB[gpu]
 
 
 # --------------------------------------------------------------------------- tests
@@ -222,6 +219,22 @@ def test_gpu_configs_follow_the_usual_practice(name):
         assert cfg.actor.offload, "colocated actors offload while the engines generate"
     if params > 20e9:
         assert cfg.actor.recompute == "full"
+
+
+@pytest.mark.parametrize("name", sorted(n for n, e in CONFIGS.items() if e.gpu))
+def test_gpu_configs_state_their_device_memory(name):
+    assert load_config(_path(name)).cluster.device_memory_gib == USABLE_GIB[CONFIGS[name].gpu]
+
+
+def test_plan_refuses_a_phase_that_overflows_and_names_it(capsys):
+    # qwen3-8b colocated with the actor resident while the engines generate: the rollout phase overflows
+    args = ["plan", "-q", _path("qwen3-8b-dapo.yaml"), "actor.offload=false", "rollout.release_memory=false"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "the rollout phase needs rollout 98.9 GiB (engine 55.7 + resident roles" in err and "79.6 GiB" in err
+    # an engine whose weights leave no room for a KV cache
+    assert main(["plan", "-q", _path("qwen3-8b-dapo.yaml"), "rollout.mem_fraction=0.05"]) == 2
+    assert "leaves no KV cache" in capsys.readouterr().err
 
 
 def test_tiny_cpu_config_is_the_small_demo():

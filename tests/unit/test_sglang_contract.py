@@ -197,7 +197,7 @@ report["server_args"] = {k: getattr(args, k) for k in ("model_path", "tp_size", 
     "dtype", "base_gpu_id", "random_seed", "enable_memory_saver", "skip_tokenizer_init", "log_level")}
 args = parser.parse_args(spec["launch_cpu"][3:])
 report["server_args_cpu"] = {k: getattr(args, k) for k in ("device", "attention_backend", "max_total_tokens",
-    "disable_overlap_schedule", "api_key", "dtype", "host")}
+    "disable_overlap_schedule", "api_key", "dtype", "host", "sleep_on_idle")}
 
 # Whether in-place weight updates need a begin/end session: read from the scheduler's weight updater.
 updater = open(sglang.srt.managers.__path__[0] + "/scheduler_components/weight_updater.py").read()
@@ -322,6 +322,7 @@ def test_cpu_launch_command_parses_with_sglang_server_args(report):
         "api_key": "k3y",
         "dtype": "bfloat16",
         "host": "10.0.0.2",
+        "sleep_on_idle": True,
     }
 
 

@@ -1,0 +1,112 @@
+"""Engine command lines (``rlsys.rollout.launch``) and the sync transport per engine (``rlsys.plan``)."""
+
+import pytest
+
+from rlsys.config import load_config, releases_engine_memory
+from rlsys.errors import ConfigError
+from rlsys.plan import sync_transports
+from rlsys.rollout.launch import (
+    CPU_MAX_TOTAL_TOKENS,
+    core_binding,
+    cpu_attention_backend,
+    cpu_flags,
+    engine_dtype,
+    sglang_command,
+    sglang_cpu_env,
+)
+
+AMX = {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+
+
+def test_attention_backend_follows_the_instruction_set():
+    assert cpu_attention_backend(AMX) == "intel_amx"
+    assert cpu_attention_backend(AMX - {"amx_bf16", "amx_tile"}) == "torch_native"  # AVX-512 BF16, no AMX
+    with pytest.raises(ConfigError, match=r"lacks avx512_bf16, avx512f.*rollout.engine: cpu"):
+        cpu_attention_backend({"avx2", "fma"})
+
+
+def test_cpu_flags_reads_proc_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f\nbugs\t: x\n")
+    assert cpu_flags(str(info)) == {"fpu", "avx2", "avx512f"}
+    assert cpu_flags(str(tmp_path / "missing")) == set()
+
+
+def test_core_binding_gives_each_rank_its_own_cores():
+    cores = list(range(8))
+    assert core_binding(0, 1, 1, cores) == "0-7"
+    assert core_binding(0, 1, 2, cores) == "0-3|4-7"
+    assert [core_binding(i, 2, 2, cores) for i in range(2)] == ["0-1|2-3", "4-5|6-7"]
+    assert core_binding(1, 2, 1, [0, 1, 2]) == "1"  # 3 cores, 2 ranks: one each, the third unused
+    # fewer cores than ranks: shared round robin rather than refused
+    assert [core_binding(i, 3, 1, [0, 1]) for i in range(3)] == ["0", "1", "0"]
+    assert core_binding(0, 1, 1, [0, 2, 4]) == "0,2,4"
+
+
+def test_cpu_sglang_command_carries_its_environment(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib").mkdir()
+    (venv / "lib" / "libiomp5.so").write_bytes(b"")
+    python = str(venv / "bin" / "python")
+    env = sglang_cpu_env(python, "0|1")
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert env["LD_PRELOAD"].split(":")[0] == str(venv / "lib" / "libiomp5.so")
+    cmd = sglang_command(
+        "/m",
+        2,
+        30001,
+        0.5,
+        "bf16",
+        3,
+        ["--attention-backend", "torch_native"],
+        python=python,
+        device="cpu",
+        api_key="k",
+        host="10.1.2.3",
+        cpu_env=env,
+    )
+    assert cmd[0] == "env" and "SGLANG_USE_CPU_ENGINE=1" in cmd and cmd[cmd.index(python) - 1].startswith("LD_PRELOAD")
+    tail = cmd[cmd.index(python) :]
+    assert tail[:3] == [python, "-m", "sglang.launch_server"]
+    flag = {a: tail[i + 1] for i, a in enumerate(tail[:-1]) if a.startswith("--")}
+    assert flag["--device"] == "cpu" and flag["--attention-backend"] == "torch_native"
+    assert flag["--max-total-tokens"] == str(CPU_MAX_TOTAL_TOKENS) and flag["--api-key"] == "k"
+    assert "--base-gpu-id" not in tail and "--disable-overlap-schedule" in tail and "--sleep-on-idle" in tail
+    assert tail.count("--attention-backend") == 1  # the user's choice, not a second one
+    gpu = sglang_command("/m", 2, 30001, 0.5, "bf16", None, ["--log-level", "warning"], base_gpu_id=4)
+    assert gpu[0] != "env" and "--device" not in gpu and gpu[gpu.index("--base-gpu-id") + 1] == "4"
+    assert gpu[-2:] == ["--log-level", "warning"] and "--api-key" not in gpu
+
+
+def test_served_dtype():
+    cfg = load_config(None, ["rollout.engine=sglang"])
+    assert engine_dtype(cfg.rollout, "fp32", "cuda") == "fp32"
+    assert engine_dtype(cfg.rollout, "fp32", "cpu") == "bf16"  # SGLang's CPU kernels
+    cfg = load_config(None, ["rollout.dtype=fp16"])
+    assert engine_dtype(cfg.rollout, "bf16", "cuda") == "fp16"
+
+
+def test_engine_memory_release_default():
+    assert releases_engine_memory(load_config(None, []))  # colocated on cuda: the trainer needs the memory
+    assert not releases_engine_memory(load_config(None, ["cluster.device=cpu"]))
+    assert not releases_engine_memory(load_config(None, ["cluster.colocate=false", "actor.world_size=4"]))
+    assert not releases_engine_memory(load_config(None, ["rollout.release_memory=false"]))
+
+
+@pytest.mark.parametrize(
+    "overrides,want",
+    [
+        ([], ["tensor"]),  # colocated on one node: CUDA IPC, never an NCCL group with two ranks on GPU 0
+        (["cluster.colocate=false", "actor.world_size=4"], ["broadcast"]),
+        (["cluster.device=cpu", "rollout.sync.transport=broadcast"], ["broadcast"]),  # gloo can
+        (["rollout.urls=[http://a:1, http://b:2]"], ["broadcast", "broadcast"]),
+        # two nodes, colocated: engines on the sender's node take tensors, the others a group
+        (
+            ["cluster.nodes=2", "cluster.devices_per_node=4", "rollout.tp=2", "rollout.num_engines=4"],
+            ["tensor", "tensor", "broadcast", "broadcast"],
+        ),
+    ],
+)
+def test_sync_transport_per_engine(overrides, want):
+    assert sync_transports(load_config(None, overrides)) == want
