@@ -416,10 +416,19 @@ ROUTES = {  # path: (methods, engine method, runs on the control pool)
 }
 
 
-def build_app(engine: CPUEngine) -> web.Application:
+def build_app(engine: CPUEngine, api_key: str | None = None) -> web.Application:
+    """``api_key``: as SGLang's ``--api-key``, every endpoint but ``/health*`` wants ``Authorization: Bearer``."""
     gen_pool = ThreadPoolExecutor(64, thread_name_prefix="generate")
     ctl_pool = ThreadPoolExecutor(16, thread_name_prefix="control")
-    app = web.Application(client_max_size=1 << 40)  # tensor payloads can be large
+
+    @web.middleware
+    async def authorize(request: web.Request, handler):
+        if api_key and not request.path.startswith("/health"):
+            if request.headers.get("Authorization") != f"Bearer {api_key}":
+                return _json({"error": {"message": "Unauthorized"}}, 401)
+        return await handler(request)
+
+    app = web.Application(client_max_size=1 << 40, middlewares=[authorize])  # tensor payloads can be large
 
     def handler(method, pool):
         async def handle(request: web.Request) -> web.Response:
@@ -461,12 +470,15 @@ def main(argv=None) -> None:
     ap.add_argument("--weight-version", default="default")
     ap.add_argument("--enable-weights-cpu-backup", action="store_true", help="resume restores released weights")
     ap.add_argument("--num-threads", type=int, default=1, help="torch CPU threads (1 suits small models)")
+    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (but on /health)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.num_threads)
     torch.manual_seed(args.seed)
     engine = CPUEngine(args)
-    web.run_app(build_app(engine), host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=2)
+    web.run_app(
+        build_app(engine, args.api_key), host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=2
+    )
     os._exit(0)  # worker threads may be blocked in a rendezvous or broadcast: do not wait for them
 
 

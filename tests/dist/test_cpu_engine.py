@@ -510,3 +510,17 @@ def test_checkpoint_names_load_into_every_architecture(model_type, tiny_checkpoi
     ids = torch.tensor([[3, 14, 15, 92, 65]])
     with torch.no_grad():
         torch.testing.assert_close(weights.model(ids).logits, hf_model(new_path)(ids).logits, atol=0, rtol=0)
+
+
+def test_api_key_is_required_and_sent_by_the_client(ckpts):
+    from rlsys.rollout.client import EngineClient, EngineError
+
+    proc, url = launch_cpu_engine(ckpts["qwen2", 0], extra_args=("--api-key", "s3cret"))
+    try:
+        assert requests.get(url + "/health", timeout=10).status_code == 200  # probes need no key, as in SGLang
+        assert post(url, "/model_info").status_code == 401
+        with pytest.raises(EngineError, match="HTTP 401"):
+            EngineClient(url, 10, api_key="wrong").model_info()
+        assert EngineClient(url, 10, api_key="s3cret").check_version() == "0.5.23"
+    finally:
+        proc.kill()

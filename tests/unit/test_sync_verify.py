@@ -26,8 +26,11 @@ def trainer_tensors(n=6, seed=0):
 class FakeEngine:
     """Holds tensors in its own dtype, loaded the way an engine's loader does (``copy_``)."""
 
-    def __init__(self, url, sent: dict, dtype=torch.bfloat16, checksum_endpoint=True, readable=True, version="1"):
+    def __init__(
+        self, url, sent: dict, dtype=torch.bfloat16, checksum_endpoint=True, readable=True, version="1", info=None
+    ):
         self.url, self.checksum_endpoint, self.readable, self.version = url, checksum_endpoint, readable, version
+        self.info = info or {"version": "0.5.23", "device": "cuda", "attention_backend": "fa3"}
         self.weights = {}
         for name, t in sent.items():
             self.weights[name] = torch.empty(t.shape, dtype=dtype).copy_(t)
@@ -50,6 +53,9 @@ class FakeEngine:
 
     def weight_version(self, timeout_s=None):
         return self.version
+
+    def server_info(self, timeout_s=None):
+        return self.info
 
 
 def fed(views_or_trainer, tensors):
@@ -136,6 +142,40 @@ def test_sglang_engines_are_compared_on_sampled_rows():
     sglang.version = "0"
     with pytest.raises(WeightSyncMismatch, match="weight version '0', expected '1'"):
         verify_engines([sglang], trainer, expected_version=1)
+
+
+def test_amx_packed_sglang_engines_compare_only_what_is_not_packed():
+    """SGLang's CPU backend with intel_amx returns linear weights in its AMX layout: only norms, embeddings and
+    biases can be compared, and the report says how many tensors could not be."""
+    sent = {
+        "model.embed_tokens.weight": torch.randn(10, 4),
+        "model.norm.weight": torch.randn(4),
+        "model.layers.0.self_attn.q_proj.bias": torch.randn(4),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(4, 8),
+        "lm_head.weight": torch.randn(10, 4),
+    }
+    amx = FakeEngine(
+        "http://amx", sent, checksum_endpoint=False, info={"device": "cpu", "attention_backend": "intel_amx"}
+    )
+    views = probe_engines([amx])
+    assert views[0].packed
+    trainer = fed(TrainerChecksums.for_engines(views, samples=32), sent)
+    assert sorted(trainer.samples) == [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.bias",
+        "model.norm.weight",
+    ]
+    assert trainer.skipped == 3
+    (report,) = verify_engines([amx], trainer)
+    assert report.ok and report.checked == 3
+    assert "3 AMX-packed linear weights not comparable" in report.summary(trainer)
+    # torch_native keeps them as loaded: everything is sampled
+    native = FakeEngine(
+        "http://native", sent, checksum_endpoint=False, info={"device": "cpu", "attention_backend": "torch_native"}
+    )
+    trainer = fed(TrainerChecksums.for_engines(probe_engines([native]), samples=32), sent)
+    assert len(trainer.samples) == 6 and trainer.skipped == 0
 
 
 def test_sglang_engine_that_cannot_read_names():
