@@ -96,6 +96,7 @@ def write_start_checkpoint(size: str, out_dir: str, max_shard_bytes: int = 2 << 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]
     config = AutoConfig.for_model("qwen2", **COMMON, **spec["config"])
     config.dtype = dtype
+    config.architectures = ["Qwen2ForCausalLM"]  # SGLang picks its model class by this
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}

@@ -2,7 +2,7 @@
 
 GRPO on the built-in synthetic task (``configs/tiny-cpu-grpo.yaml``): a small Megatron GPT actor
 split TP=2 over two gloo ranks in Ray actors, a CPU rollout engine in its own process that receives
-the new weights over a broadcast group after every update, rewards, metrics, a checkpoint, the
+the new weights after every update (colocated: SGLang's update_weights_from_tensor), rewards, metrics, a checkpoint, the
 reward plot and an HF export of the final actor. Every number it prints is measured.
 """
 

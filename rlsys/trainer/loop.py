@@ -8,6 +8,7 @@ broadcast group after every update.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from contextlib import contextmanager
@@ -37,6 +38,8 @@ from rlsys.trainer.replay import load_rollout, rollout_dir, save_rollout, saved_
 from rlsys.trainer.rollout import RolloutBatch
 from rlsys.trainer.setup import prepare_model_dir, role_spec, start_ray
 from rlsys.training.batch import TrainBatch, pad_rows, unpad_rows
+
+logger = logging.getLogger(__name__)
 
 
 class Timer(dict):
@@ -156,7 +159,8 @@ def _run(cfg: RunConfig, mode: str, replay, last_step: int, prompts, model_dir: 
                 save_rollout(rollout_dir(out_dir), step, rolled)
             else:
                 # 4. log-probs -> 5. advantages -> 6. update -> 7. weight sync
-                trained = _learn(cfg, step, rolled, groups, turns, kl_ctl, t, version if syncing else None)
+                pool = engines if syncing else None
+                trained = _learn(cfg, step, rolled, groups, turns, kl_ctl, t, version if syncing else None, pool)
 
         # metrics, checkpoint, eval
         metrics = _step_metrics(step, rolled, t)
@@ -185,9 +189,11 @@ def _run(cfg: RunConfig, mode: str, replay, last_step: int, prompts, model_dir: 
     return history
 
 
-def _learn(cfg: RunConfig, step: int, rolled: RolloutBatch, groups: dict, turns: Turns, kl_ctl, t: Timer, version):
+def _learn(
+    cfg: RunConfig, step: int, rolled: RolloutBatch, groups: dict, turns: Turns, kl_ctl, t: Timer, version, engines
+):
     """Stages 4-7 of a step on a scored batch; returns their metrics. ``version`` (a one-item list, the
-    engines' weight version) is None when there are no engines to sync (``--train-only``)."""
+    engines' weight version) and ``engines`` are None when there are no engines to sync (``--train-only``)."""
     algo = cfg.algorithm
     actor, ref, critic = groups["actor"], groups.get("ref"), groups.get("critic")
     seqs, prompt_lens, engine_logp = rollout.response_tensors(rolled.samples)
@@ -239,7 +245,7 @@ def _learn(cfg: RunConfig, step: int, rolled: RolloutBatch, groups: dict, turns:
             if version is not None:  # also in warm-up: engines that released memory need their weights back
                 turns.engine_weights_back()
                 version[0] = step + 1
-                metrics.update(actor.sync_weights(version[0]))
+                metrics.update(sync_or_recover(actor, engines, version[0]))
     turns.engine_cache_back()
 
     entropy = pad_rows(old["entropy"])
@@ -255,6 +261,20 @@ def _learn(cfg: RunConfig, step: int, rolled: RolloutBatch, groups: dict, turns:
     )
     metrics.update({k: float(v) for k, v in mm.items() if k.startswith("mismatch/")})
     return metrics
+
+
+def sync_or_recover(actor, engines, version: int) -> dict:
+    """The step's weight sync. When it fails because an engine died (killed, crashed), the pool restarts
+    that engine and its ``on_restart`` re-syncs every engine (the failed sync left the live ones paused,
+    with partly new weights); the run goes on. Any other failure is raised, with the engine's message."""
+    try:
+        return actor.sync_weights(version)
+    except Exception as error:
+        restarted = engines.check_and_restart() if engines is not None else []
+        if not restarted:
+            raise
+        logger.warning("weight sync %d failed (%s); restarted engines %s and re-synced them", version, error, restarted)
+        return {"sync/recovered_engines": float(len(restarted))}
 
 
 def _rollout_and_reward(

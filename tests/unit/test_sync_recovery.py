@@ -1,0 +1,46 @@
+"""The loop's weight sync when an engine dies during it (``rlsys.trainer.loop.sync_or_recover``)."""
+
+import pytest
+
+from rlsys.trainer.loop import sync_or_recover
+
+
+class Actor:
+    def __init__(self, fail: bool):
+        self.fail, self.calls = fail, []
+
+    def sync_weights(self, version):
+        self.calls.append(version)
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("weight sync 3 failed on trainer rank 0: connection failed")
+        return {"sync/seconds": 0.1}
+
+
+class Pool:
+    """Restarts engine 0 if it is dead and re-syncs through on_restart, as EnginePool does."""
+
+    def __init__(self, actor, dead: bool):
+        self.actor, self.dead, self.checks = actor, dead, 0
+
+    def check_and_restart(self):
+        self.checks += 1
+        if not self.dead:
+            return []
+        self.dead = False
+        self.actor.sync_weights(3)  # on_restart: the loop's resync, same version
+        return [0]
+
+
+def test_a_sync_that_lost_an_engine_goes_on_after_restart_and_resync():
+    actor = Actor(fail=True)
+    pool = Pool(actor, dead=True)
+    assert sync_or_recover(actor, pool, 3) == {"sync/recovered_engines": 1.0}
+    assert actor.calls == [3, 3] and pool.checks == 1
+
+
+def test_a_sync_failure_with_every_engine_alive_is_raised():
+    actor = Actor(fail=True)
+    with pytest.raises(RuntimeError, match="weight sync 3 failed"):
+        sync_or_recover(actor, Pool(actor, dead=False), 3)
+    assert sync_or_recover(Actor(fail=False), None, 4) == {"sync/seconds": 0.1}
