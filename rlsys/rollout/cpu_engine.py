@@ -423,9 +423,9 @@ def build_app(engine: CPUEngine, api_key: str | None = None) -> web.Application:
 
     @web.middleware
     async def authorize(request: web.Request, handler):
-        if api_key and not request.path.startswith("/health"):
-            if request.headers.get("Authorization") != f"Bearer {api_key}":
-                return _json({"error": {"message": "Unauthorized"}}, 401)
+        open_path = request.path.startswith("/health")
+        if api_key and not open_path and request.headers.get("Authorization") != f"Bearer {api_key}":
+            return _json({"error": {"message": "Unauthorized"}}, 401)
         return await handler(request)
 
     app = web.Application(client_max_size=1 << 40, middlewares=[authorize])  # tensor payloads can be large

@@ -256,11 +256,14 @@ class DistributedWeightSync:
             if error is not None or self._failure is not None:
                 self._close_sessions(resume=False)  # paused: their weights are partly new
                 self.disconnect(broken=True)
-            if error is None and not isinstance(self._failure, _WriterFailed):  # a writer reports its own error
-                error = self._failure
+                if error is None and not isinstance(self._failure, _WriterFailed):  # a writer says its own
+                    error = self._failure
+            else:
+                try:  # the sessions' end and verification are engine answers too: every rank hears of them
+                    self._finish_engines()
+                except Exception as e:
+                    error = e
         self._agree(error)
-        if self.is_sender:
-            self._finish_engines()
         stats.seconds = time.perf_counter() - start
         return stats
 
@@ -306,10 +309,10 @@ class DistributedWeightSync:
             e.pause_generation(timeout_s=self.timeout_s)
         for e in self.engines:
             e.flush_cache(timeout_s=self.timeout_s)
-        self._sessions = []
+        self._sessions = []  # filled as they open, so that a failure closes exactly those
         for e in self.engines:
-            _begin(e, self.timeout_s)
-            self._sessions.append(e)
+            if _begin(e, self.timeout_s):
+                self._sessions.append(e)
         self._checks = None
         if self.verify:
             if self._views is None:
@@ -330,8 +333,10 @@ class DistributedWeightSync:
 
     def _finish_engines(self) -> None:
         """After every bucket landed: close the sessions (the engines finalize the weights), verify, continue."""
-        _first_error([self._calls.submit(_end, e, self.timeout_s) for e in self._sessions], self.timeout_s)
-        self._sessions = []
+        sessions, self._sessions = self._sessions, []
+        _first_error(
+            [self._calls.submit(e.end_weight_update, timeout_s=self.timeout_s) for e in sessions], self.timeout_s
+        )
         if self._checks is not None:  # before continuing: no rollout may sample from wrong weights
             self.last_verification = verify_engines(
                 self.engines, self._checks, self.timeout_s, expected_version=self.version
@@ -462,16 +467,14 @@ class DistributedWeightSync:
         )
 
 
-def _begin(engine, timeout_s: float) -> None:
+def _begin(engine, timeout_s: float) -> bool:
+    """Open the engine's weight-update session where its release has one; whether it did."""
     if engine.server_version is None:
         engine.check_version(timeout_s=timeout_s)
-    if needs_weight_update_session(engine.server_version):
-        engine.begin_weight_update(timeout_s=timeout_s)
-
-
-def _end(engine, timeout_s: float) -> None:
-    if needs_weight_update_session(engine.server_version):
-        engine.end_weight_update(timeout_s=timeout_s)
+    if not needs_weight_update_session(engine.server_version):
+        return False
+    engine.begin_weight_update(timeout_s=timeout_s)
+    return True
 
 
 def _first_error(futures: list[Future], timeout_s: float) -> None:
