@@ -141,8 +141,8 @@ def sglang_command(
     ``python`` is the interpreter of SGLang's own environment (config ``rollout.sglang_python``).
     ``base_gpu_id``: first GPU of this engine (engine i of tp GPUs each: ``i * tp``). Keep the tokenizer
     unless every stop condition is a token id: stop strings and ``text`` in replies need it.
-    ``device="cpu"``: SGLang's CPU backend; ``cpu_env`` (``sglang_cpu_env``) is put in front with ``env`` so
-    that the command line alone starts it, here or on another node.
+    ``device="cpu"``: SGLang's CPU backend. ``cpu_env`` (``sglang_cpu_env`` on CPU, plus ``rollout.sglang_env``)
+    is put in front with ``env`` so that the command line alone starts it, here or on another node.
     """
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--tp-size", str(int(tp))]
     cmd += ["--host", host, "--port", str(int(port)), "--mem-fraction-static", str(float(mem_fraction))]
@@ -187,11 +187,15 @@ def router_command(
     host: str = "127.0.0.1",
     policy: str = "cache_aware",
     extra_args: Sequence[str] = (),
+    api_key: str | None = None,
 ) -> list[str]:
     """sgl-router in front of ``worker_urls`` (``python -m sglang_router.launch_router``). ``cache_aware``
-    sends prompts with a common prefix to the same engine, which keeps GRPO groups together."""
+    sends prompts with a common prefix to the same engine, which keeps GRPO groups together. ``api_key``:
+    what it sends to workers started with ``--api-key``."""
     cmd = [python, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls]
     cmd += ["--host", host, "--port", str(int(port)), "--policy", policy]
+    if api_key:
+        cmd += ["--api-key", api_key]
     return cmd + [str(a) for a in extra_args]
 
 
@@ -212,10 +216,11 @@ def sglang_router(
     policy: str = "cache_aware",
     env: dict[str, str] | None = None,
     log_file: str | None = None,
+    api_key: str | None = None,
 ) -> ServerProcess:
     """An sgl-router process (not started) in front of ``worker_urls``, on a free port of ``host``."""
     port = free_port(host)
-    command = router_command(worker_urls, port, python=python, host=host, policy=policy)
+    command = router_command(worker_urls, port, python=python, host=host, policy=policy, api_key=api_key)
     return ServerProcess(command, f"http://{host}:{port}", env=env, log_file=log_file, name="sglang-router")
 
 
@@ -249,10 +254,10 @@ def _engine_command(
     key = api_key if host not in LOOPBACK else None
     if cfg.engine == "cpu":
         return cpu_engine_command(model_dir, seed + index, host, port, key)
-    cpu_env = None
+    env = dict(cfg.sglang_env)
     if device == "cpu":
         binding = core_binding(index, cfg.num_engines, cfg.tp, sorted(os.sched_getaffinity(0)))
-        cpu_env = {**sglang_cpu_env(cfg.sglang_python, binding), **cfg.sglang_env}
+        env = {**sglang_cpu_env(cfg.sglang_python, binding), **env}
     return sglang_command(
         model_dir,
         cfg.tp,
@@ -267,7 +272,7 @@ def _engine_command(
         enable_memory_saver=memory_saver,
         device=device,
         api_key=key,
-        cpu_env=cpu_env,
+        cpu_env=env or None,
     )
 
 
@@ -315,11 +320,12 @@ def start_engines(
         for s in servers:
             s.close() if isinstance(s, RemoteServer) else s.stop()
         raise
+    keyed = any(s.url.split("//")[1].rsplit(":", 1)[0] not in LOOPBACK for s in servers)
     router = None
     if cfg.engine == "sglang" and len(servers) > 1 and sglang_router_available(cfg.sglang_python):
-        router = sglang_router(urls, python=cfg.sglang_python, log_file=os.path.join(log_dir, "sglang_router.log"))
+        log = os.path.join(log_dir, "sglang_router.log")
+        router = sglang_router(urls, python=cfg.sglang_python, log_file=log, api_key=api_key if keyed else None)
     health_timeout_s = 900 if cfg.engine == "sglang" else 300
-    keyed = any(s.url.split("//")[1].rsplit(":", 1)[0] not in LOOPBACK for s in servers)
     return EnginePool.launch(
         servers,
         router=router,

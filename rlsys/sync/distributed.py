@@ -182,9 +182,9 @@ class DistributedWeightSync:
         _first_error(
             [self._calls.submit(e.check_version, timeout_s=self.timeout_s) for e in self.engines], self.timeout_s
         )
-        self.connected = True
         casts = [(e, tp) for e, tp, t in zip(self.engines, self.engine_tp, self.transports) if t == "broadcast"]
         if not casts:
+            self.connected = True
             return
         port = free_port(self.master_address)
         world = 1 + sum(tp for _, tp in casts)
@@ -209,6 +209,7 @@ class DistributedWeightSync:
         joined = self._calls.submit(init_custom_process_group, self.backend, init, world, 0, name, self.timeout_s)
         _first_error([*futures, joined], self.timeout_s)
         self.group, self.active_group_name = joined.result(), name
+        self.connected = True  # only now: a failed connect is tried again by the next sync
 
     def disconnect(self, broken: bool = False) -> None:
         """Leave the broadcast group. ``broken``: a send into it may still be pending (a failed bucket), so it
@@ -428,7 +429,10 @@ class DistributedWeightSync:
 
     def _broadcast_bucket(self, bucket: Bucket) -> None:
         fmt = "flattened_bucket" if self.load_format == "flattened_bucket" else None
-        replies = [self._calls.submit(self._send_tensors, e, tp, bucket) for e, tp in self.tensor_engines]
+        replies = []
+        if self.tensor_engines:  # one payload (one flattened copy) for every colocated engine
+            payload = serialize_flattened_bucket(Bucket(bucket.names, bucket.tensors, bucket.nbytes))
+            replies = [self._calls.submit(self._send_tensors, e, tp, payload) for e, tp in self.tensor_engines]
         if not self.broadcast_engines:
             _first_error(replies, self.timeout_s)
             return
@@ -454,10 +458,9 @@ class DistributedWeightSync:
         for send in sends:
             send.wait(timeout=timedelta(seconds=self.timeout_s))
 
-    def _send_tensors(self, engine, tp: int, bucket: Bucket):
-        """One bucket into a colocated engine: the same flattened-bucket payload for each of its TP ranks."""
-        fresh = Bucket(bucket.names, bucket.tensors, bucket.nbytes)  # never a reused buffer: read after we return
-        payload = serialize_flattened_bucket(fresh)
+    def _send_tensors(self, engine, tp: int, payload: str):
+        """One bucket into a colocated engine: the same flattened-bucket payload for each of its TP ranks (its
+        tensor is a fresh copy, never a reused buffer: SGLang reads it after the call returns on GPU)."""
         return engine.update_weights_from_tensor(
             [payload] * tp,
             load_format="flattened_bucket",

@@ -20,11 +20,11 @@ Two ways to read an engine:
   read none of the sample, ``VerificationUnavailable`` is raised rather than passing silently. Its shard
   arithmetic assumes ``head_dim == hidden_size / num_attention_heads``. FP8 scales are never sampled (their
   rows are blocks, not weight rows), and FP8 weights compare only where SGLang keeps them as loaded.
-  SGLang's CPU backend with ``intel_amx`` attention re-packs every linear weight into an AMX layout when the
-  weight-update session ends, and ``get_weights_by_name`` returns that layout: against such an engine
-  (``/server_info``: ``device`` cpu, ``attention_backend`` intel_amx) only tensors that are not linear weights
-  (norms, embeddings, biases) are sampled, and ``TrainerChecksums.skipped`` counts the others. With
-  ``torch_native`` every tensor is stored as loaded and all are comparable.
+  SGLang's CPU backend on a CPU with AMX re-packs every linear weight into an AMX layout when the
+  weight-update session ends (whatever the attention backend), and ``get_weights_by_name`` returns that
+  layout: against such an engine (``/server_info``: ``device`` cpu, and this machine's CPU has AMX) only
+  tensors that are not linear weights (norms, embeddings, biases) are sampled, and
+  ``TrainerChecksums.skipped`` counts the others. Without AMX every tensor is stored as loaded and all compare.
 """
 
 from __future__ import annotations
@@ -179,6 +179,15 @@ class TrainerChecksums:
         self.samples[name] = tensor[: self.sample_rows].float().cpu().clone()
 
 
+def cpu_packs_linear_weights() -> bool:
+    """Whether SGLang's CPU backend packs linear weights here: it does whenever the CPU has AMX
+    (``cpu_has_amx_support``), whatever the attention backend. Read from this machine's CPU: a CPU engine on
+    another node is assumed to be of the same model."""
+    from rlsys.rollout.launch import cpu_flags
+
+    return {"amx_bf16", "amx_tile"} <= cpu_flags()
+
+
 def is_linear_weight(name: str, tensor: torch.Tensor) -> bool:
     """A weight SGLang serves through a linear layer (AMX-packs on CPU): 2-D, not an embedding table."""
     return tensor.dim() == 2 and name.endswith(".weight") and "embed_tokens" not in name
@@ -210,8 +219,7 @@ def probe_engines(clients: Sequence, timeout_s: float | None = None) -> list[Eng
             views.append(EngineView(c.url, True, dict(r.get("dtypes", {}))))
             continue
         info = c.server_info(timeout_s=timeout_s)
-        packed = info.get("device") == "cpu" and info.get("attention_backend") == "intel_amx"
-        views.append(EngineView(c.url, False, packed=packed))
+        views.append(EngineView(c.url, False, packed=info.get("device") == "cpu" and cpu_packs_linear_weights()))
     return views
 
 

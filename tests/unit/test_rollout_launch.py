@@ -110,3 +110,11 @@ def test_engine_memory_release_default():
 )
 def test_sync_transport_per_engine(overrides, want):
     assert sync_transports(load_config(None, overrides)) == want
+
+
+def test_router_sends_the_workers_api_key():
+    from rlsys.rollout.launch import router_command
+
+    cmd = router_command(["http://10.0.0.1:1"], 2, api_key="k")
+    assert cmd[cmd.index("--api-key") + 1] == "k"
+    assert "--api-key" not in router_command(["http://127.0.0.1:1"], 2)

@@ -144,9 +144,12 @@ def test_sglang_engines_are_compared_on_sampled_rows():
         verify_engines([sglang], trainer, expected_version=1)
 
 
-def test_amx_packed_sglang_engines_compare_only_what_is_not_packed():
-    """SGLang's CPU backend with intel_amx returns linear weights in its AMX layout: only norms, embeddings and
+def test_amx_packed_sglang_engines_compare_only_what_is_not_packed(monkeypatch):
+    """SGLang's CPU backend on an AMX CPU returns linear weights in its AMX layout: only norms, embeddings and
     biases can be compared, and the report says how many tensors could not be."""
+    import rlsys.sync.verify as verify
+
+    monkeypatch.setattr(verify, "cpu_packs_linear_weights", lambda: True)
     sent = {
         "model.embed_tokens.weight": torch.randn(10, 4),
         "model.norm.weight": torch.randn(4),
@@ -170,7 +173,8 @@ def test_amx_packed_sglang_engines_compare_only_what_is_not_packed():
     (report,) = verify_engines([amx], trainer)
     assert report.ok and report.checked == 3
     assert "3 AMX-packed linear weights not comparable" in report.summary(trainer)
-    # torch_native keeps them as loaded: everything is sampled
+    # a CPU without AMX (or a GPU engine) keeps them as loaded: everything is sampled
+    monkeypatch.setattr(verify, "cpu_packs_linear_weights", lambda: False)
     native = FakeEngine(
         "http://native", sent, checksum_endpoint=False, info={"device": "cpu", "attention_backend": "torch_native"}
     )
