@@ -426,6 +426,7 @@ class Plan:
     engines: tuple[EnginePlan, ...]  # empty when attached by URL
     rollout_urls: tuple[str, ...]
     phases: tuple = ()  # rlsys.memory_plan.Phase per phase, when cluster.device_memory_gib is set
+    sync_transports: tuple[str, ...] = ()  # per engine: "tensor" (colocated) or "broadcast"
 
     def role(self, name: str) -> RolePlan:
         return next(r for r in self.roles if r.name == name)
@@ -541,7 +542,9 @@ def build_plan(cfg: RunConfig, arch: ModelArch) -> Plan:
         engines=engines,
         rollout_urls=tuple(r.urls),
     )
-    return dataclasses.replace(plan, phases=tuple(check_fit(cfg, plan, arch)))
+    return dataclasses.replace(
+        plan, phases=tuple(check_fit(cfg, plan, arch)), sync_transports=tuple(sync_transports(cfg))
+    )
 
 
 # ------------------------------------------------------------------- render
@@ -586,7 +589,8 @@ def _rollout_lines(plan: Plan) -> list[str]:
     lines = [f"rollout: {len(plan.engines)} {plan.rollout_engine} engine(s) x TP{plan.rollout_tp}"]
     for engine in plan.engines[:SHOWN_RANKS]:
         devices = ", ".join(f"{node}:{dev}" for node, dev in engine.devices)
-        lines.append(f"  engine {engine.index}: node:device {devices}")
+        via = f"; weights by {plan.sync_transports[engine.index]}" if plan.sync_transports else ""
+        lines.append(f"  engine {engine.index}: node:device {devices}{via}")
     if len(plan.engines) > SHOWN_RANKS:
         lines.append(f"  ... and {len(plan.engines) - SHOWN_RANKS} more engines")
     return [*lines, ""]

@@ -118,3 +118,15 @@ def test_router_sends_the_workers_api_key():
     cmd = router_command(["http://10.0.0.1:1"], 2, api_key="k")
     assert cmd[cmd.index("--api-key") + 1] == "k"
     assert "--api-key" not in router_command(["http://127.0.0.1:1"], 2)
+
+
+def test_plan_says_how_each_engine_gets_its_weights(capsys):
+    import os
+
+    from rlsys.cli import main
+
+    config = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "qwen3-8b-dapo.yaml")
+    assert main(["plan", "-q", config, "cluster.nodes=2", "rollout.num_engines=8"]) == 0
+    out = capsys.readouterr().out
+    assert "engine 3: node:device 0:6, 0:7; weights by tensor" in out  # colocated with actor rank 0's node
+    assert "engine 4: node:device 1:0, 1:1; weights by broadcast" in out
