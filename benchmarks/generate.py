@@ -44,17 +44,9 @@ def _model(out_dir: str) -> str:
 
 
 def _sglang(python: str, model: str, tmp: str):
-    from rlsys.local_ranks import free_port
-    from rlsys.rollout.launch import core_binding, sglang_command, sglang_cpu_env
-    from rlsys.rollout.process import ServerProcess
+    from rlsys.rollout.launch import local_cpu_sglang
 
-    port = free_port()
-    env = sglang_cpu_env(python, core_binding(0, 1, 1, sorted(os.sched_getaffinity(0))))
-    cmd = sglang_command(
-        model, 1, port, 0.5, "bf16", 0, [], python=python, device="cpu", cpu_env=env, skip_tokenizer_init=True
-    )
-    server = ServerProcess(cmd, f"http://127.0.0.1:{port}", log_file=os.path.join(tmp, "sglang.log"), name="sglang")
-    return server
+    return local_cpu_sglang(python, model, os.path.join(tmp, "sglang.log"), skip_tokenizer_init=True)
 
 
 def _cpu_engine(model: str, tmp: str, dtype: str):

@@ -443,18 +443,11 @@ def _wire(sync, client, buf, sizes: list[int], timeout: float) -> float:
 def _launch_sglang(python: str, hf_dir: str, timeout: float, tmp: str):
     """The real SGLang server on ``hf_dir`` (CPU backend, bf16, no tokenizer: the checkpoints have none), as
     ``rlsys.rollout.launch`` starts one; returns ``(ServerProcess, url)``."""
-    from rlsys.local_ranks import free_port
-    from rlsys.rollout.launch import core_binding, sglang_command, sglang_cpu_env
-    from rlsys.rollout.process import ServerProcess
+    from rlsys.rollout.launch import local_cpu_sglang
 
     if not os.path.exists(python):
         sys.exit(f"--engine sglang: no SGLang interpreter at {python}; run tests/sglang/setup_sglang_cpu.sh")
-    port = free_port()
-    env = sglang_cpu_env(python, core_binding(0, 1, 1, sorted(os.sched_getaffinity(0))))
-    cmd = sglang_command(
-        hf_dir, 1, port, 0.5, "bf16", 0, [], python=python, device="cpu", cpu_env=env, skip_tokenizer_init=True
-    )
-    server = ServerProcess(cmd, f"http://127.0.0.1:{port}", log_file=os.path.join(tmp, "sglang.log"), name="sglang")
+    server = local_cpu_sglang(python, hf_dir, os.path.join(tmp, "sglang.log"), skip_tokenizer_init=True)
     server.start()
     server.wait_healthy(timeout_s=timeout)
     return server, server.url

@@ -172,6 +172,38 @@ def sglang_command(
     return cmd
 
 
+def local_cpu_sglang(
+    python: str,
+    model: str,
+    log_file: str,
+    *,
+    tp: int = 1,
+    index: int = 0,
+    engines: int = 1,
+    seed: int = 0,
+    extra_args: Sequence[str] = (),
+    skip_tokenizer_init: bool = False,
+) -> ServerProcess:
+    """Engine ``index`` of ``engines`` on SGLang's CPU backend on this machine (not started): bf16, its own
+    cores, the environment it needs. For tests and benchmarks; a run's engines come from ``start_engines``."""
+    port = free_port()
+    binding = core_binding(index, engines, tp, sorted(os.sched_getaffinity(0)))
+    cmd = sglang_command(
+        model,
+        tp,
+        port,
+        0.5,
+        "bf16",
+        seed,
+        extra_args,
+        python=python,
+        device="cpu",
+        cpu_env=sglang_cpu_env(python, binding),
+        skip_tokenizer_init=skip_tokenizer_init,
+    )
+    return ServerProcess(cmd, f"http://127.0.0.1:{port}", log_file=log_file, name=f"sglang[{index}]", stop_grace_s=5)
+
+
 def cpu_engine_command(model_dir: str, seed: int, host: str, port: int, api_key: str | None = None) -> list:
     # sys.executable of the process that builds the command: the engine's host on a remote node
     command = [sys.executable, "-m", "rlsys.rollout.cpu_engine", "--model-path", model_dir, "--host", host]

@@ -343,7 +343,7 @@ class DistributedWeightSync:
                 self.engines, self._checks, self.timeout_s, expected_version=self.version
             )
             self.last_unverifiable = self._checks.skipped
-            if self.version == 1 or self._views_fresh:
+            if self._views_fresh:
                 self._views_fresh = False
                 for r in self.last_verification:  # say once per connect what a pass means
                     logger.info("sync.verify: %s", r.summary(self._checks))

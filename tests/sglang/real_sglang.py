@@ -10,9 +10,8 @@ import os
 
 import pytest
 
-from rlsys.local_ranks import free_port
 from rlsys.rollout.client import EngineClient
-from rlsys.rollout.launch import core_binding, sglang_command, sglang_cpu_env
+from rlsys.rollout.launch import local_cpu_sglang
 from rlsys.rollout.process import ServerProcess
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,26 +50,9 @@ def start_sglang(
     python: str, model: str, log_dir: str, *, tp: int = 1, index: int = 0, engines: int = 1, extra: tuple = ()
 ) -> tuple[ServerProcess, EngineClient]:
     """A real SGLang CPU server the way ``rlsys.rollout.launch`` starts one, healthy and version-checked."""
-    port = free_port()
-    binding = core_binding(index, engines, tp, sorted(os.sched_getaffinity(0)))
-    cmd = sglang_command(
-        model,
-        tp,
-        port,
-        0.5,
-        "bfloat16",
-        7 + index,
-        list(extra),
-        python=python,
-        device="cpu",
-        cpu_env=sglang_cpu_env(python, binding),
-    )
-    server = ServerProcess(
-        cmd,
-        f"http://127.0.0.1:{port}",
-        log_file=os.path.join(log_dir, f"sglang_{port}.log"),
-        name=f"sglang[{index}]",
-        stop_grace_s=5,
+    log_file = os.path.join(log_dir, f"sglang_{index}.log")  # appended to by every start
+    server = local_cpu_sglang(
+        python, model, log_file, tp=tp, index=index, engines=engines, seed=7 + index, extra_args=extra
     )
     server.start()
     try:
