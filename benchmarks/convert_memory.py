@@ -89,8 +89,7 @@ m.save_pretrained(sys.argv[2], safe_serialization=True)
 def main() -> int:
     warnings.simplefilter("ignore")
     import torch
-
-    from rlsys.tiny_models import make_tiny_hf_checkpoint
+    from fixtures import make_tiny_hf_checkpoint
 
     py = sys.executable
     config = LARGE if sys.argv[1:] == ["large"] else CONFIG

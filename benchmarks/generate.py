@@ -38,7 +38,7 @@ SMOLLM2_SHAPE = dict(
 
 
 def _model(out_dir: str) -> str:
-    from rlsys.tiny_models import make_tiny_hf_checkpoint
+    from fixtures import make_tiny_hf_checkpoint
 
     return make_tiny_hf_checkpoint("llama", out_dir, seed=0, max_shard_size="2GB", **SMOLLM2_SHAPE)
 
@@ -57,7 +57,7 @@ def _cpu_engine(model: str, tmp: str, dtype: str):
     cmd = [
         sys.executable,
         "-m",
-        "rlsys.rollout.cpu_engine",
+        "rlsys.rollout.cpu.server",
         "--model-path",
         model,
         "--port",

@@ -7,7 +7,7 @@ on that machine):
    reductions do (UUID -> local device index), copies the tensors out and returns their sha256, which must
    equal the sender's. Reports the handle round trip and the copy rate for a ``--mb`` bucket.
 2. **NCCL between two trainer processes**: with two or more GPUs, a broadcast over
-   ``rlsys.rollout.process_group.init_custom_process_group`` (the weight-update group's construction) from
+   ``rlsys.sync.process_group.init_custom_process_group`` (the weight-update group's construction) from
    GPU 0 to GPU 1, GB/s; with one GPU, the same group with both ranks on GPU 0, which NCCL must refuse
    (why ``rlsys plan`` refuses ``sync.transport: broadcast`` for colocated engines).
 
@@ -110,7 +110,7 @@ def check_ipc(mb: int, device: str) -> dict:
 
 
 def _nccl_rank(rank: int, gpus: list[int], port: int, mb: int, out) -> None:
-    from rlsys.rollout.process_group import init_custom_process_group
+    from rlsys.sync.process_group import init_custom_process_group
 
     torch.cuda.set_device(gpus[rank])
     try:

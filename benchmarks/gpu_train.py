@@ -173,14 +173,14 @@ def model_flops(arch, padded_vocab: int, lengths: list[int]) -> dict[str, float]
 
 def run(args) -> dict:
     import torch
+    from fixtures import random_train_batch
 
+    from rlsys.architectures.hf_config import arch_from_dict
     from rlsys.config import AlgorithmConfig, RoleConfig
-    from rlsys.convert.hf_config import arch_from_dict
     from rlsys.megatron.model import padded_vocab_size
-    from rlsys.tiny_models import random_train_batch
-    from rlsys.topology import build_topology
-    from rlsys.training.actor import PolicyWorker
-    from rlsys.training.engine import MegatronEngine
+    from rlsys.megatron.topology import build_topology
+    from rlsys.worker.actor import PolicyWorker
+    from rlsys.worker.engine import MegatronEngine
 
     if args.device == "cpu":
         torch.set_num_threads(args.threads or os.cpu_count() or 1)
@@ -366,7 +366,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from rlsys.local_ranks import free_port, set_rank_env
-    from rlsys.topology import destroy_topology, init_distributed
+    from rlsys.megatron.topology import destroy_topology, init_distributed
 
     if args.device == "cuda":
         import torch

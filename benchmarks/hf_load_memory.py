@@ -75,12 +75,12 @@ def _rank(rank, world, port, hf_dir, variant, out_dir):
     warnings.simplefilter("ignore")
     import torch
 
-    from rlsys.convert.hf_checkpoint import HFCheckpoint
-    from rlsys.convert.hf_config import read_arch
+    from rlsys.architectures.hf_checkpoint import HFCheckpoint
+    from rlsys.architectures.hf_config import read_arch
     from rlsys.local_ranks import set_rank_env
     from rlsys.megatron.load import load_hf_weights
     from rlsys.megatron.model import build_model
-    from rlsys.topology import build_topology, destroy_topology, init_distributed
+    from rlsys.megatron.topology import build_topology, destroy_topology, init_distributed
 
     set_rank_env(rank, world, port)
     torch.set_num_threads(1)
@@ -113,8 +113,9 @@ def _rank(rank, world, port, hf_dir, variant, out_dir):
 
 def main() -> int:
     warnings.simplefilter("ignore")
+    from fixtures import make_tiny_hf_checkpoint
+
     from rlsys.local_ranks import spawn_ranks
-    from rlsys.tiny_models import make_tiny_hf_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = make_tiny_hf_checkpoint("llama", os.path.join(tmp, "hf"), max_shard_size="200MB", **CONFIG)

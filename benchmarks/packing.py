@@ -6,7 +6,7 @@ times forward + backward of a small Megatron Llama (fp32, CPU, one rank) over th
 
 * ``padded`` (baseline): micro-batches of ``--micro-batch-size`` samples in arrival order, each
   right-padded to its longest sample, with the causal mask.
-* ``packed``: ``rlsys.training.packing`` micro-batches under ``--max-tokens``, each one row with
+* ``packed``: ``rlsys.worker.packing`` micro-batches under ``--max-tokens``, each one row with
   the block-diagonal causal mask.
 
 Reports real tokens per second, the padding fraction (processed tokens that are padding), the
@@ -55,12 +55,12 @@ def draw_lengths(n: int, max_prompt: int, max_new: int, seed: int) -> list[int]:
 def _rank(hf_dir: str, lengths: list[int], args, out_path: str) -> None:
     import torch
 
-    from rlsys.convert.hf_config import read_arch
+    from rlsys.architectures.hf_config import read_arch
     from rlsys.megatron.forward import causal_mask
     from rlsys.megatron.load import load_hf_weights
     from rlsys.megatron.model import build_model
-    from rlsys.topology import build_topology, destroy_topology
-    from rlsys.training.packing import pack, pack_microbatches, pad_batch
+    from rlsys.megatron.topology import build_topology, destroy_topology
+    from rlsys.worker.packing import pack, pack_microbatches, pad_batch
 
     torch.set_num_threads(args.threads)
     arch = read_arch(hf_dir)
@@ -145,8 +145,9 @@ def main() -> int:
         parser.error("--max-tokens must hold the longest sequence (--max-prompt + --max-new-tokens)")
 
     warnings.simplefilter("ignore")
+    from fixtures import make_tiny_hf_checkpoint
+
     from rlsys.local_ranks import run_on_ranks
-    from rlsys.tiny_models import make_tiny_hf_checkpoint
 
     lengths = draw_lengths(args.samples, args.max_prompt, args.max_new_tokens, args.seed)
     real = sum(lengths)

@@ -1,7 +1,7 @@
 """Trainer -> rollout-engine weight sync: seconds, bytes and GB/s against a raw broadcast and a disk round trip.
 
 For each model (Qwen2-shaped, random weights: ~50M and ~200M parameters in fp32, ~1B in bf16) and each
-trainer layout (TP=2 or PP=2 on two gloo ranks), one CPU engine process (``rlsys.rollout.cpu_engine``, the
+trainer layout (TP=2 or PP=2 on two gloo ranks), one CPU engine process (``rlsys.rollout.cpu.server``, the
 SGLang protocol on transformers) serves the model, and the two trainer ranks (a ``MegatronEngine`` filled
 with random weights) measure, interleaved per repeat so that load from other processes hits all alike:
 
@@ -17,7 +17,7 @@ with random weights) measure, interleaved per repeat so that load from other pro
   one flattened uint8 tensor per bucket, named so that the engine skips it as SGLang skips
   ``rotary_emb.inv_freq``): HTTP + engine receive, no export, no flatten, no load. Between raw and ours.
 * ``naive`` (b): every writer rank saves its HF tensors (``iter_hf_tensors``) as safetensors shards
-  (``rlsys.convert.hf_writer``), rank 0 writes the index, then ``EngineClient.update_weights_from_disk``. The
+  (``rlsys.architectures.hf_writer``), rank 0 writes the index, then ``EngineClient.update_weights_from_disk``. The
   files are read back from the page cache (this host just wrote them), the best case for this path; the
   ``+fsync`` column adds the time to flush them to disk (taken between save and load, not counted in ``naive s``).
 
@@ -298,14 +298,14 @@ def _trainer(hf_dir: str, layout: dict, url: str, dtype: str, args, work_dir: st
     import torch
     import torch.distributed as dist
 
+    from rlsys.architectures.hf_config import read_arch
+    from rlsys.architectures.hf_writer import ShardWriter, finalize
     from rlsys.config import RoleConfig
-    from rlsys.convert.hf_config import read_arch
-    from rlsys.convert.hf_writer import ShardWriter, finalize
     from rlsys.megatron.export import iter_hf_tensors
+    from rlsys.megatron.topology import build_topology, destroy_topology
     from rlsys.rollout.client import EngineClient
     from rlsys.sync.distributed import DistributedWeightSync
-    from rlsys.topology import build_topology, destroy_topology
-    from rlsys.training.engine import MegatronEngine
+    from rlsys.worker.engine import MegatronEngine
 
     rank = dist.get_rank()
     rank0 = rank == 0
@@ -566,7 +566,7 @@ def main() -> int:
 
     warnings.simplefilter("ignore")
     from rlsys.local_ranks import run_on_ranks
-    from rlsys.rollout.cpu_engine import launch_cpu_engine
+    from rlsys.rollout.cpu.server import launch_cpu_engine
 
     # SIGTERM unwinds like Ctrl-C, so the engine and temp dirs go in the finally blocks below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

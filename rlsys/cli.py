@@ -29,8 +29,8 @@ def _cmd_plan(args) -> int:
 
 def _cmd_train(args) -> int:
     from rlsys.config import load_config
+    from rlsys.controller.loop import train
     from rlsys.plan import build_plan, model_arch
-    from rlsys.trainer.loop import train
 
     cfg = load_config(args.config, args.overrides)
     build_plan(cfg, model_arch(cfg.model))  # every check rlsys plan makes, memory fit included
@@ -43,16 +43,16 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_plot(args) -> int:
-    from rlsys.logging.plot import plot_run
+    from rlsys.telemetry.plot import plot_run
 
     print(plot_run(args.output_dir))
     return 0
 
 
 def _cmd_check_parity(args) -> int:
+    from rlsys.architectures.hf_checkpoint import HFCheckpoint
+    from rlsys.architectures.hf_config import read_arch
     from rlsys.config import ParallelConfig
-    from rlsys.convert.hf_checkpoint import HFCheckpoint
-    from rlsys.convert.hf_config import read_arch
     from rlsys.local_ranks import launched_by_torchrun
     from rlsys.parity import ParityLayout, check_parity, check_parity_in_group
     from rlsys.plan import check_layout_flags

@@ -23,9 +23,9 @@ def _mean(rows: list[dict], key: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     from rlsys.config import load_config
-    from rlsys.logging.metrics import read_metrics
+    from rlsys.controller.loop import train
     from rlsys.plan import model_arch, validate_layout
-    from rlsys.trainer.loop import train
+    from rlsys.telemetry.metrics import read_metrics
 
     overrides = [f"trainer.output_dir={OUT}", "trainer.resume=false", *(argv or [])]
     print(__doc__.split("\n\n")[1].replace("\n", " "), "\n", flush=True)

@@ -5,6 +5,9 @@ Commands that need several ranks (``check-parity``, ``convert``) call
 on CPU, NCCL on CUDA); under torchrun or slurm it runs in the ranks the
 launcher made. A ``UserError`` raised on any rank reaches the caller as a
 ``UserError`` (one line, exit code 2), not as a wall of tracebacks.
+
+Also what ranks and engines ask of the host they run on: a free port, the node's address, the CPU's
+instruction-set flags.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def _rank_main(rank: int, world: int, port: int, device: str, error_path: str, f
     import torch
     import torch.distributed as dist
 
-    from rlsys.topology import init_distributed
+    from rlsys.megatron.topology import init_distributed
 
     warnings.simplefilter("ignore")  # megatron and torch.distributed deprecation chatter, once per rank
     set_rank_env(rank, world, port)
@@ -86,7 +89,7 @@ def run_on_ranks(fn, world: int, device: str, *args) -> None:
     if launched_by_torchrun():
         import torch.distributed as dist
 
-        from rlsys.topology import init_distributed
+        from rlsys.megatron.topology import init_distributed
 
         init_distributed(device)
         if dist.get_world_size() != world:
@@ -102,3 +105,15 @@ def run_on_ranks(fn, world: int, device: str, *args) -> None:
                 with open(error_path) as f:
                     raise UserError(f.readline().strip()) from None
             raise
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    """The instruction-set flags of this machine's CPU (empty where /proc/cpuinfo has none)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()

@@ -2,7 +2,7 @@
 
 ``rlsys.sizing`` estimates one rank of one role (weights, grads, optimizer state, activations). A device
 holds more than that over a step, and not all of it at once. Colocated, the engines and every role share
-the device and take turns (``rlsys.trainer.colocation``), so the peak is the largest of three phases:
+the device and take turns (``rlsys.controller.colocation``), so the peak is the largest of three phases:
 
 - **rollout**: the engines generate, holding ``rollout.mem_fraction`` of the device (weights and KV
   cache: SGLang claims that share at start), beside every role that stays resident (``offload: false``);

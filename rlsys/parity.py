@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from rlsys.convert.hf_config import read_arch
+from rlsys.architectures.hf_config import read_arch
 from rlsys.convert.mcore_checkpoint import read_meta
 from rlsys.errors import UserError
 from rlsys.local_ranks import run_on_ranks
-from rlsys.topology import min_world_size
+from rlsys.megatron.topology import min_world_size
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def megatron_logits_on_rank(
     from rlsys.megatron.forward import forward_logits
     from rlsys.megatron.load import load_hf_weights
     from rlsys.megatron.model import build_model
-    from rlsys.topology import build_topology, destroy_topology
+    from rlsys.megatron.topology import build_topology, destroy_topology
 
     arch = read_arch(hf_dir)
     meta = read_meta(mcore_dir) if mcore_dir else {}

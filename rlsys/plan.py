@@ -16,8 +16,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from rlsys.architectures.hf_config import ModelArch, arch_from_dict, read_arch
 from rlsys.config import ROLES, ModelConfig, ParallelConfig, RoleConfig, RunConfig
-from rlsys.convert.hf_config import ModelArch, arch_from_dict, read_arch
 from rlsys.errors import ConfigError, UserError
 from rlsys.memory_plan import check_fit
 from rlsys.sizing import (

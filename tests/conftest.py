@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from rlsys.convert.hf_config import SUPPORTED_MODEL_TYPES
+from rlsys.architectures.hf_config import SUPPORTED_MODEL_TYPES
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
@@ -12,7 +12,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
     """``{model_type: checkpoint_dir}`` built once per test session (no downloads)."""
-    from rlsys.tiny_models import make_tiny_hf_checkpoint
+    from tiny_models import make_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("tiny_hf")
     return {t: make_tiny_hf_checkpoint(t, str(root / t)) for t in SUPPORTED_MODEL_TYPES}
@@ -21,7 +21,7 @@ def tiny_checkpoints(tmp_path_factory):
 @pytest.fixture
 def make_checkpoint(tmp_path):
     """Build a tiny checkpoint with config overrides: ``make_checkpoint("qwen2", tie_word_embeddings=False)``."""
-    from rlsys.tiny_models import make_tiny_hf_checkpoint
+    from tiny_models import make_tiny_hf_checkpoint
 
     def make(model_type, name=None, **overrides):
         return make_tiny_hf_checkpoint(model_type, str(tmp_path / (name or model_type)), **overrides)

@@ -29,7 +29,7 @@ def _run_cleaning_up(out_dir: str, fn, world: int, device: str, *args) -> None:
     """Run the conversion ranks; whatever fails, no ``.partial`` output is left behind."""
     import shutil
 
-    from rlsys.convert.hf_writer import partial_dir
+    from rlsys.architectures.hf_writer import partial_dir
     from rlsys.local_ranks import run_on_ranks
 
     try:
@@ -46,9 +46,9 @@ def _layout(args):
 
 
 def _hf_to_mcore(args) -> int:
-    from rlsys.convert.hf_checkpoint import HFCheckpoint
-    from rlsys.convert.hf_config import load_hf_config
-    from rlsys.convert.hf_writer import check_output
+    from rlsys.architectures.hf_checkpoint import HFCheckpoint
+    from rlsys.architectures.hf_config import load_hf_config
+    from rlsys.architectures.hf_writer import check_output
     from rlsys.convert.mcore_checkpoint import check_layout, default_dtype, hf_to_mcore_rank
 
     hf_config = load_hf_config(args.hf)
@@ -73,7 +73,7 @@ def _hf_to_mcore(args) -> int:
 
 
 def _mcore_to_hf(args) -> int:
-    from rlsys.convert.hf_writer import check_output
+    from rlsys.architectures.hf_writer import check_output
     from rlsys.convert.mcore_checkpoint import check_layout, mcore_to_hf_rank, read_meta
 
     meta = read_meta(args.mcore)
@@ -97,7 +97,7 @@ def _mcore_to_hf(args) -> int:
 
 
 def _verify(args) -> int:
-    from rlsys.convert.hf_checkpoint import HFCheckpoint
+    from rlsys.architectures.hf_checkpoint import HFCheckpoint
     from rlsys.convert.mcore_checkpoint import read_meta, verify_rank
     from rlsys.local_ranks import run_on_ranks
 

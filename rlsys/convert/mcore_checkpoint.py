@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 import rlsys
-from rlsys.convert.hf_config import arch_from_dict, load_hf_config, read_arch
-from rlsys.convert.hf_writer import (
+from rlsys.architectures.hf_config import arch_from_dict, load_hf_config, read_arch
+from rlsys.architectures.hf_writer import (
     DTYPES,
     ShardWriter,
     commit_output,
@@ -42,7 +42,7 @@ from rlsys.convert.hf_writer import (
 )
 from rlsys.errors import CheckpointError
 from rlsys.megatron.model import sharded_state_dict
-from rlsys.topology import min_world_size
+from rlsys.megatron.topology import min_world_size
 
 META_FILE = "rlsys_meta.json"
 HF_SIDE_DIR = "hf"
@@ -78,7 +78,7 @@ def read_meta(mcore_dir: str) -> dict:
 def _build(arch, layout: Layout, dtype: str, device: str, padded_vocab: int | None = None):
     """This rank's model on the meta device: conversions materialize it one unit at a time."""
     from rlsys.megatron.model import build_model
-    from rlsys.topology import build_topology
+    from rlsys.megatron.topology import build_topology
 
     topo = build_topology(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, device=device)
     chunks, _ = build_model(arch, topo, dtype=dtype, padded_vocab=padded_vocab, meta=True)
@@ -120,11 +120,11 @@ def hf_to_mcore_rank(hf_dir: str, out_dir: str, layout: Layout, dtype: str, devi
     """
     from megatron.core import dist_checkpointing
 
+    from rlsys.architectures.hf_checkpoint import HFCheckpoint
     from rlsys.convert.dcp_merge import merge_parts
-    from rlsys.convert.hf_checkpoint import HFCheckpoint
     from rlsys.megatron.load import check_all_used, load_hf_weights
+    from rlsys.megatron.topology import destroy_topology
     from rlsys.megatron.units import materialize, release
-    from rlsys.topology import destroy_topology
 
     start, rank, tmp = time.time(), dist.get_rank(), partial_dir(out_dir)
     if rank == 0:
@@ -182,7 +182,7 @@ def mcore_to_hf_rank(
     mcore_dir: str, out_dir: str, layout: Layout, dtype: str | None, device: str, max_shard_bytes: int, overwrite: bool
 ) -> None:
     """One rank of ``mcore-to-hf``: load, export and free one unit (a layer, the embedding...) at a time."""
-    from rlsys.topology import destroy_topology
+    from rlsys.megatron.topology import destroy_topology
 
     start, rank, tmp = time.time(), dist.get_rank(), partial_dir(out_dir)
     if rank == 0:
@@ -249,7 +249,7 @@ def hf_dtype_map(hf_dir: str) -> dict:
     """The source checkpoint's dtypes: the common one and the exceptions (e.g. an fp32 router bias)."""
     from collections import Counter
 
-    from rlsys.convert.hf_checkpoint import HFCheckpoint
+    from rlsys.architectures.hf_checkpoint import HFCheckpoint
 
     src = HFCheckpoint(hf_dir)
     dtypes = {n: _SAFETENSORS_DTYPES.get(src.dtype(n), src.dtype(n)) for n in src.names()}
@@ -279,9 +279,9 @@ def _write_hf_side_files(mcore_dir: str, out: str, meta: dict, dtype: str | None
 
 def verify_rank(hf_dir: str, mcore_dir: str, device: str, report_path: str) -> None:
     """Stream the Megatron checkpoint as HF tensors on one rank and compare them one by one with the HF checkpoint."""
-    from rlsys.convert.hf_checkpoint import HFCheckpoint
+    from rlsys.architectures.hf_checkpoint import HFCheckpoint
     from rlsys.megatron.load import not_part_of_model
-    from rlsys.topology import destroy_topology
+    from rlsys.megatron.topology import destroy_topology
 
     meta = read_meta(mcore_dir)
     arch = arch_from_dict(meta["hf_config"])

@@ -18,10 +18,8 @@ touches to their CPU equivalents, for the whole process:
 4. ``torch.cuda.synchronize`` / ``nn.Module.cuda`` become no-ops.
 
 It is activated only by ``enable()``, which rlsys calls in worker processes
-whose configured device is ``cpu``; a CUDA run never imports this module's
-patches. Separately, ``apply_te_absent_fixes()`` repairs megatron's own
-references to transformer-engine symbols that are undefined when TE is not
-installed; those are needed on a GPU image without TE as well.
+whose configured device is ``cpu`` (through ``rlsys.megatron.platform.prepare``);
+a CUDA run never imports this module's patches.
 """
 
 from __future__ import annotations
@@ -112,7 +110,6 @@ def enable() -> None:
         mode = _CudaToCpu()
         mode.__enter__()
         _state.update(saved=saved, mode=mode)
-    apply_te_absent_fixes()
 
 
 def disable() -> None:
@@ -128,23 +125,3 @@ def disable() -> None:
 
 def is_enabled() -> bool:
     return bool(_state)
-
-
-def apply_te_absent_fixes() -> None:
-    """Define the transformer-engine names megatron 0.16 references without TE.
-
-    ``moe_utils`` calls ``te_general_gemm`` behind ``is not None`` checks but
-    only binds the name when TE imports. ``extensions.transformer_engine``
-    imports without TE, with mock placeholders, so ``multi_latent_attention``
-    believes TE is present and runs ``isinstance(..., TELinear)`` on a mock.
-    """
-    from megatron.core.transformer import multi_latent_attention as mla
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-    from rlsys.megatron.model import have_transformer_engine
-
-    if not have_transformer_engine():
-        mla.HAVE_TE = False
-        mla.TELinear = type("TELinearAbsent", (), {})

@@ -22,10 +22,10 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from rlsys.convert.hf_config import ModelArch
-from rlsys.convert.registry import table_for
+from rlsys.architectures.hf_config import ModelArch
+from rlsys.architectures.registry import table_for
 from rlsys.megatron.params import MappedParam, iter_mapped_params
-from rlsys.topology import Topology
+from rlsys.megatron.topology import Topology
 
 
 def _gather(p: MappedParam, group) -> list[torch.Tensor] | None:

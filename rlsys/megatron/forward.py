@@ -7,7 +7,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-from rlsys.topology import Topology
+from rlsys.megatron.topology import Topology
 
 
 def causal_mask(seq_len: int, device) -> torch.Tensor:

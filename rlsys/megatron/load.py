@@ -12,13 +12,13 @@ import re
 import torch
 import torch.distributed as dist
 
-from rlsys.convert.hf_checkpoint import HFCheckpoint
-from rlsys.convert.hf_config import ModelArch
-from rlsys.convert.mapping import PaddedVocab
-from rlsys.convert.registry import table_for
+from rlsys.architectures.hf_checkpoint import HFCheckpoint
+from rlsys.architectures.hf_config import ModelArch
+from rlsys.architectures.mapping import PaddedVocab
+from rlsys.architectures.registry import table_for
 from rlsys.errors import CheckpointError
 from rlsys.megatron.params import iter_mapped_params
-from rlsys.topology import Topology
+from rlsys.megatron.topology import Topology
 
 
 @torch.no_grad()

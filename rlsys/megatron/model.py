@@ -19,9 +19,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from rlsys.convert.hf_config import ModelArch
+from rlsys.architectures.hf_config import ModelArch
 from rlsys.errors import UserError
-from rlsys.topology import Topology
+from rlsys.megatron.platform import have_transformer_engine
+from rlsys.megatron.topology import Topology
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # rlsys checkpoints key every layer separately (megatron's direction: stacking same-shaped layers into one
@@ -33,15 +34,6 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Megatron pads the vocab so each TP shard has a multiple of ``divisible_by`` rows."""
     multiple = divisible_by * tp
     return -(-vocab_size // multiple) * multiple
-
-
-def have_transformer_engine() -> bool:
-    # A broken TE install raises RuntimeError/OSError, not only ImportError.
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:
-        return False
-    return True
 
 
 def transformer_config(arch: ModelArch, topo: Topology, dtype: str = "fp32", **overrides) -> TransformerConfig:

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rlsys.convert.hf_config import ModelArch
-from rlsys.convert.mapping import HF_LAYER, MCORE_LAYER, TE_NAME_ALIASES, ArchTable, Shard
+from rlsys.architectures.hf_config import ModelArch
+from rlsys.architectures.mapping import HF_LAYER, MCORE_LAYER, TE_NAME_ALIASES, ArchTable, Shard
 from rlsys.errors import CheckpointError
-from rlsys.topology import Topology
+from rlsys.megatron.topology import Topology
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")

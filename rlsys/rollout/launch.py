@@ -26,14 +26,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rlsys.errors import ConfigError
-from rlsys.local_ranks import free_port
+from rlsys.local_ranks import cpu_flags, free_port
 from rlsys.rollout.pool import EnginePool
 from rlsys.rollout.process import ServerProcess
 from rlsys.rollout.remote import RemoteServer
 
 if TYPE_CHECKING:
     from rlsys.config import RolloutConfig
-    from rlsys.trainer.placement import Placement
+    from rlsys.controller.placement import Placement
 
 # rlsys config dtype names -> SGLang's --dtype values.
 _SGLANG_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -44,18 +44,6 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 # ------------------------------------------------------------ SGLang on the CPU
-
-
-def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
-    """The instruction-set flags of this machine's CPU (empty where /proc/cpuinfo has none)."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def cpu_attention_backend(flags: set[str] | None = None) -> str:
@@ -206,7 +194,7 @@ def local_cpu_sglang(
 
 def cpu_engine_command(model_dir: str, seed: int, host: str, port: int, api_key: str | None = None) -> list:
     # sys.executable of the process that builds the command: the engine's host on a remote node
-    command = [sys.executable, "-m", "rlsys.rollout.cpu_engine", "--model-path", model_dir, "--host", host]
+    command = [sys.executable, "-m", "rlsys.rollout.cpu.server", "--model-path", model_dir, "--host", host]
     command += ["--port", port, "--seed", seed, "--dtype", "float32"]
     return command + (["--api-key", api_key] if api_key else [])
 
@@ -327,7 +315,7 @@ def start_engines(
     if cfg.urls:
         return EnginePool.attach(cfg.urls, timeout_s=cfg.sync.timeout_s, api_key=cfg.api_key)
     if cfg.weight_dtype == "fp8":
-        from rlsys.sync.fp8 import write_fp8_checkpoint
+        from rlsys.architectures.fp8 import write_fp8_checkpoint
 
         # SGLang allocates FP8 parameters only when it starts on an FP8 checkpoint
         model_dir = write_fp8_checkpoint(model_dir, os.path.join(log_dir, "..", "fp8_model"))

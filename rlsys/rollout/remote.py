@@ -47,7 +47,7 @@ class EngineHost:
     """Runs one ``ServerProcess`` on the node Ray placed it on; a Ray actor, driven by ``RemoteServer``.
 
     ``command(host, port)`` builds the server's command line here, with this node's IP and a port that is
-    free here. Run it with the placement's options (``rlsys.trainer.placement``).
+    free here. Run it with the placement's options (``rlsys.controller.placement``).
     """
 
     def __init__(

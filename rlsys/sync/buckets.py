@@ -18,10 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``: SGLang resolves dtypes with ``getattr(torch, name)``."""
-    return str(dtype).removeprefix("torch.")
+from rlsys.sync.wire import dtype_name
 
 
 @dataclass

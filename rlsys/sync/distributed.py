@@ -44,7 +44,7 @@ SGLang release) is agreed on before any gather starts. After a failure mid-sync 
 With ``verify`` rank 0 also hashes every tensor it buckets or receives and, after the sessions closed
 and before continuing generation, compares every engine with those hashes (``rlsys.sync.verify``);
 a mismatch raises ``WeightSyncMismatch`` and leaves the engines paused. With ``weight_dtype="fp8"`` linear
-weights are block-quantized to FP8 by their writer before bucketing (``rlsys.sync.fp8``; the engines must run
+weights are block-quantized to FP8 by their writer before bucketing (``rlsys.architectures.fp8``; the engines must run
 an FP8 checkpoint). Rank 0 waits at most ``timeout_s`` for each engine call, broadcast and funnel receive
 (a writer's failure reaches it at once); writers wait for rank 0 as long as the funnel group's timeout.
 The group: the trainer is rank 0, engine ``i``'s TP rank ``t`` is ``1 + sum(tp of broadcast engines before i) + t``.
@@ -71,14 +71,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from rlsys.architectures.fp8 import quantize_named_tensors
 from rlsys.local_ranks import free_port, node_address
 from rlsys.megatron.export import is_dense_writer, is_expert_writer, iter_hf_tensors
-from rlsys.rollout.process_group import destroy_custom_process_group, init_custom_process_group
 from rlsys.rollout.protocol import needs_weight_update_session
-from rlsys.sync.buckets import Bucket, Bucketer, Handoff, WriterFailed, dtype_name, recv_bucket, send_bucket, send_end
+from rlsys.sync.buckets import Bucket, Bucketer, Handoff, WriterFailed, recv_bucket, send_bucket, send_end
 from rlsys.sync.colocated import serialize_flattened_bucket
-from rlsys.sync.fp8 import quantize_named_tensors
+from rlsys.sync.process_group import destroy_custom_process_group, init_custom_process_group
 from rlsys.sync.verify import TrainerChecksums, probe_engines, verify_engines
+from rlsys.sync.wire import dtype_name
 
 
 class WeightSyncError(RuntimeError):

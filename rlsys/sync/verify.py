@@ -37,8 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlsys.rollout.client import EngineError
-from rlsys.rollout.hf_weights import dtype_from_str, tensor_checksum
-from rlsys.sync.buckets import dtype_name
+from rlsys.sync.wire import dtype_from_str, dtype_name, tensor_checksum
 
 WEIGHTS_CHECKSUM = "/weights_checksum"  # rlsys CPU engine extension
 GET_WEIGHTS_BY_NAME = "/get_weights_by_name"  # SGLang and the CPU engine
@@ -183,7 +182,7 @@ def cpu_packs_linear_weights() -> bool:
     """Whether SGLang's CPU backend packs linear weights here: it does whenever the CPU has AMX
     (``cpu_has_amx_support``), whatever the attention backend. Read from this machine's CPU: a CPU engine on
     another node is assumed to be of the same model."""
-    from rlsys.rollout.launch import cpu_flags
+    from rlsys.local_ranks import cpu_flags
 
     return {"amx_bf16", "amx_tile"} <= cpu_flags()
 

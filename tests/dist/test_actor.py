@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlsys.local_ranks import run_on_ranks
-from rlsys.tiny_models import random_train_batch
+from tiny_models import random_train_batch
 
 pytestmark = pytest.mark.dist
 REL = 1e-5
@@ -15,9 +15,9 @@ REL = 1e-5
 def _rank(hf_dir, layout, opts, out_dir):
     from rlsys.config import AlgorithmConfig, RoleConfig
     from rlsys.megatron.export import iter_hf_tensors
-    from rlsys.topology import build_topology
-    from rlsys.training.actor import build_policy_worker
-    from rlsys.training.dispatch import dp_shards
+    from rlsys.megatron.topology import build_topology
+    from rlsys.worker.actor import build_policy_worker
+    from rlsys.worker.dispatch import dp_shards
 
     topo = build_topology(device="cpu", **layout)
     role = RoleConfig()

@@ -15,7 +15,7 @@ HIDDEN = 6
 
 def _problem():
     """A packed CP row, per-position features, loss weights and parameters; every process builds the same."""
-    from rlsys.training.context_parallel import pack_for_cp
+    from rlsys.worker.context_parallel import pack_for_cp
 
     g = torch.Generator().manual_seed(0)
     samples = [torch.randint(1, 50, (n,), generator=g) for n in (7, 2, 11)]
@@ -40,7 +40,7 @@ def _loss(logp, weights, valid):
 def _worker(rank, world, port, out_dir):
     import torch.distributed as dist
 
-    from rlsys.training.context_parallel import cp_gather, cp_partition_indices, cp_split, reduce_over_cp
+    from rlsys.worker.context_parallel import cp_gather, cp_partition_indices, cp_split, reduce_over_cp
 
     set_rank_env(rank, world, port)
     torch.set_num_threads(1)

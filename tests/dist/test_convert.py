@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlsys.convert.cli import main as convert
-from rlsys.convert.hf_checkpoint import HFCheckpoint
+from rlsys.architectures.hf_checkpoint import HFCheckpoint
 from rlsys.parity import ParityLayout, fixed_tokens, hf_logits, megatron_logits
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]

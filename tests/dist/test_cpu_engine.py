@@ -17,14 +17,15 @@ import requests
 import torch
 import torch.distributed as dist
 
-from rlsys.convert.hf_checkpoint import HFCheckpoint
-from rlsys.convert.hf_config import SUPPORTED_MODEL_TYPES
+from rlsys.architectures.hf_checkpoint import HFCheckpoint
+from rlsys.architectures.hf_config import SUPPORTED_MODEL_TYPES
 from rlsys.local_ranks import free_port
-from rlsys.rollout.cpu_engine import launch_cpu_engine
-from rlsys.rollout.hf_weights import serialize_tensors, tensor_checksum
-from rlsys.rollout.process_group import destroy_custom_process_group, init_custom_process_group
+from rlsys.rollout.cpu.server import launch_cpu_engine
+from rlsys.rollout.cpu.weights import serialize_tensors
+from rlsys.sync.wire import tensor_checksum
+from rlsys.sync.process_group import destroy_custom_process_group, init_custom_process_group
 from rlsys.sync.buckets import Bucket
-from rlsys.tiny_models import make_tiny_hf_checkpoint
+from tiny_models import make_tiny_hf_checkpoint
 
 pytestmark = pytest.mark.dist
 
@@ -498,7 +499,7 @@ def test_pause_abort_and_retract_across_a_weight_update(qwen2, ckpts):
 def test_checkpoint_names_load_into_every_architecture(model_type, tiny_checkpoints, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from rlsys.rollout.hf_weights import HFWeights
+    from rlsys.rollout.cpu.weights import HFWeights
 
     new_path = make_tiny_hf_checkpoint(model_type, str(tmp_path / "new"), seed=1)
     weights = HFWeights(AutoModelForCausalLM.from_pretrained(tiny_checkpoints[model_type], dtype=torch.float32))

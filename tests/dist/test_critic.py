@@ -6,16 +6,16 @@ import pytest
 import torch
 
 from rlsys.local_ranks import run_on_ranks
-from rlsys.tiny_models import random_train_batch
+from tiny_models import random_train_batch
 
 pytestmark = pytest.mark.dist
 
 
 def _rank(hf_dir, layout, out_dir):
     from rlsys.config import AlgorithmConfig, RoleConfig
-    from rlsys.topology import build_topology
-    from rlsys.training.critic import build_critic_worker
-    from rlsys.training.dispatch import dp_shards
+    from rlsys.megatron.topology import build_topology
+    from rlsys.worker.critic import build_critic_worker
+    from rlsys.worker.dispatch import dp_shards
 
     topo = build_topology(device="cpu", **layout)
     role = RoleConfig()

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.dist
 
 
 def _batch(vocab: int, seed: int):
-    from rlsys.training.batch import TrainBatch
+    from rlsys.worker.batch import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     lengths = [int(torch.randint(6, 20, (1,), generator=g)) for _ in range(6)]
@@ -27,7 +27,7 @@ def _batch(vocab: int, seed: int):
 
 def _worker(hf: str, topo, dtype: str, distopt: bool, trainable: bool = True):
     from rlsys.config import AlgorithmConfig, RoleConfig
-    from rlsys.training.actor import build_policy_worker
+    from rlsys.worker.actor import build_policy_worker
 
     cfg = RoleConfig()
     cfg.optimizer.lr = 1e-3
@@ -37,7 +37,7 @@ def _worker(hf: str, topo, dtype: str, distopt: bool, trainable: bool = True):
 
 
 def _optimizer_tensors(engine) -> dict[str, torch.Tensor]:
-    from rlsys.training.offload import torch_optimizers
+    from rlsys.worker.offload import torch_optimizers
 
     out = {}
     for i, opt in enumerate(torch_optimizers(engine.optimizer)):
@@ -84,7 +84,7 @@ def _main_grads(engine) -> dict[str, torch.Tensor]:
 
 
 def _check_actor(hf: str, topo, dtype: str, distopt: bool) -> None:
-    from rlsys.training.offload import StateOffloader
+    from rlsys.worker.offload import StateOffloader
 
     a, b = _worker(hf, topo, dtype, distopt), _worker(hf, topo, dtype, distopt)
     first, second = _batch(a.vocab_size, 0), _batch(a.vocab_size, 1)
@@ -126,7 +126,7 @@ def _check_actor(hf: str, topo, dtype: str, distopt: bool) -> None:
 
 
 def _check_reference(hf: str, topo) -> None:
-    from rlsys.training.offload import StateOffloader
+    from rlsys.worker.offload import StateOffloader
 
     ref = _worker(hf, topo, "bf16", distopt=False, trainable=False)
     batch = _batch(ref.vocab_size, 2)
@@ -142,7 +142,7 @@ def _check_reference(hf: str, topo) -> None:
 
 
 def _rank(hf: str) -> None:
-    from rlsys.topology import build_topology, destroy_topology
+    from rlsys.megatron.topology import build_topology, destroy_topology
 
     # DP=2 with the distributed optimizer (separate bf16 -> fp32 masters), plus a reference model
     topo = build_topology(device="cpu")

@@ -23,12 +23,12 @@ LENGTHS = [7, 13, 5]  # 25 tokens: padding to a multiple of 8 adds a segment of 
 def _forward_rank(hf_dir: str, out_path: str) -> None:
     import torch
 
-    from rlsys.convert.hf_config import read_arch
+    from rlsys.architectures.hf_config import read_arch
     from rlsys.megatron.forward import causal_mask
     from rlsys.megatron.load import load_hf_weights
     from rlsys.megatron.model import build_model
-    from rlsys.topology import build_topology, destroy_topology
-    from rlsys.training.packing import pack, pad_batch, unpack
+    from rlsys.megatron.topology import build_topology, destroy_topology
+    from rlsys.worker.packing import pack, pad_batch, unpack
 
     arch = read_arch(hf_dir)
     topo = build_topology(device="cpu")

@@ -15,7 +15,7 @@ import pytest
 
 from rlsys.config import load_config
 from rlsys.errors import ConfigError
-from rlsys.trainer.placement import Placement, local_gpu_index
+from rlsys.controller.placement import Placement, local_gpu_index
 from rlsys.rollout.launch import start_engines
 
 ray = pytest.importorskip("ray")
@@ -174,7 +174,7 @@ def test_disaggregated_roles_and_engine_on_their_own_devices(placed, tmp_path):
 
 
 def test_cpu_engine_on_its_node_restarts_through_the_proxy(placed, tmp_path):
-    from rlsys.tiny_models import make_tiny_hf_checkpoint
+    from tiny_models import make_tiny_hf_checkpoint
 
     cpu = ["cluster.device=cpu", "cluster.colocate=false"]
     cfg, p = placed(*cpu, "rollout.engine=cpu", "rollout.num_engines=1")

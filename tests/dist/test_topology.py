@@ -14,7 +14,7 @@ pytestmark = pytest.mark.dist
 def _worker(rank, world, port, layout, out_dir):
     import torch.distributed as dist
 
-    from rlsys.topology import build_topology, destroy_topology, init_distributed
+    from rlsys.megatron.topology import build_topology, destroy_topology, init_distributed
 
     set_rank_env(rank, world, port)
     init_distributed("cpu")

@@ -11,7 +11,7 @@ import torch
 
 from rlsys.errors import CheckpointError
 from rlsys.local_ranks import run_on_ranks
-from rlsys.training.checkpoint import (
+from rlsys.worker.checkpoint import (
     TRAIN_STATE_FILE,
     latest_checkpoint,
     list_checkpoints,
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
 
 def make_batch(vocab: int, seed: int, n: int):
-    from rlsys.training.batch import TrainBatch
+    from rlsys.worker.batch import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     seqs, prompts = [], []
@@ -58,9 +58,9 @@ def train_rank(hf_dir, setup, out_dir, root, actions, seed):
 
     from rlsys.config import AlgorithmConfig, RoleConfig
     from rlsys.megatron.export import iter_hf_tensors
-    from rlsys.topology import build_topology
-    from rlsys.training.actor import build_policy_worker
-    from rlsys.training.checkpoint import save_training_state
+    from rlsys.megatron.topology import build_topology
+    from rlsys.worker.actor import build_policy_worker
+    from rlsys.worker.checkpoint import save_training_state
 
     topo = build_topology(device="cpu", **setup.get("layout", {}))
     rc = RoleConfig()
@@ -140,7 +140,7 @@ def assert_same_draws(a: list, b: list):
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from rlsys.tiny_models import make_tiny_hf_checkpoint
+    from tiny_models import make_tiny_hf_checkpoint
 
     return make_tiny_hf_checkpoint("qwen3", str(tmp_path_factory.mktemp("hf") / "qwen3"), seed=0)
 
@@ -206,7 +206,7 @@ def test_crashed_or_damaged_saves_never_count(tmp_path):
 
 def test_mcore_to_hf_reads_a_training_checkpoint(dp2, tmp_path):
     from rlsys.convert.cli import main as convert
-    from rlsys.convert.hf_checkpoint import HFCheckpoint
+    from rlsys.architectures.hf_checkpoint import HFCheckpoint
 
     _, ckpt, a, _ = dp2
     out = str(tmp_path / "hf")

@@ -44,7 +44,7 @@ def _run(logits, targets, grad_logprobs, grad_entropy, group, temperature):
 def _worker(rank, world, port, out_dir):
     import torch.distributed as dist
 
-    from rlsys.topology import init_distributed
+    from rlsys.megatron.topology import init_distributed
 
     set_rank_env(rank, world, port)
     torch.set_num_threads(1)

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from rlsys.local_ranks import run_on_ranks
 from rlsys.rollout.client import EngineClient
-from rlsys.rollout.cpu_engine import launch_cpu_engine
-from rlsys.rollout.hf_weights import tensor_checksum
+from rlsys.rollout.cpu.server import launch_cpu_engine
+from rlsys.sync.wire import tensor_checksum
 
 pytestmark = pytest.mark.dist
 
@@ -33,9 +33,9 @@ def _trainer(hf_dir, layout, urls, engine_tp, opts, out_dir):
 
     from rlsys.config import RoleConfig
     from rlsys.sync.distributed import DistributedWeightSync
-    from rlsys.topology import build_topology
-    from rlsys.training.actor import build_policy_worker
-    from rlsys.training.batch import TrainBatch
+    from rlsys.megatron.topology import build_topology
+    from rlsys.worker.actor import build_policy_worker
+    from rlsys.worker.batch import TrainBatch
 
     topo = build_topology(device="cpu", **layout)
     worker = build_policy_worker(hf_dir, topo, RoleConfig(), None, trainable=False, temperature=0.8)
@@ -124,7 +124,7 @@ class _SlowEngine:
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """Two CPU engines per model type, started on a checkpoint the trainer does *not* hold."""
-    from rlsys.tiny_models import make_tiny_hf_checkpoint
+    from tiny_models import make_tiny_hf_checkpoint
 
     started = {}
 
@@ -213,7 +213,7 @@ def _funnel(out_dir):
     import torch.distributed as dist
 
     from rlsys.sync.buckets import Bucketer, recv_bucket, send_bucket, send_end
-    from rlsys.sync.fp8 import quantize_named_tensors
+    from rlsys.architectures.fp8 import quantize_named_tensors
 
     group = dist.new_group([0, 1], backend="gloo")
     gen = torch.Generator().manual_seed(0)

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from rlsys.local_ranks import run_on_ranks
-from rlsys.rollout.cpu_engine import launch_cpu_engine
+from rlsys.rollout.cpu.server import launch_cpu_engine
 
 pytestmark = pytest.mark.dist
 
@@ -26,7 +26,7 @@ def _shape(hf_dir, name):
 def _trainer(hf_dir, urls, out_dir):
     from rlsys.config import RoleConfig
     from rlsys.rollout.client import EngineClient
-    from rlsys.rollout.hf_weights import serialize_tensors
+    from rlsys.rollout.cpu.weights import serialize_tensors
     from rlsys.sync.distributed import DistributedWeightSync
     from rlsys.sync.verify import (
         TrainerChecksums,
@@ -35,8 +35,8 @@ def _trainer(hf_dir, urls, out_dir):
         probe_engines,
         verify_engines,
     )
-    from rlsys.topology import build_topology
-    from rlsys.training.actor import build_policy_worker
+    from rlsys.megatron.topology import build_topology
+    from rlsys.worker.actor import build_policy_worker
 
     class VerifyingSync(DistributedWeightSync):
         """What sync.verify adds to the sender: every bucketed tensor is also hashed."""

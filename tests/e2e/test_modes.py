@@ -10,8 +10,8 @@ import os
 import pytest
 
 from rlsys.config import load_config
+from rlsys.controller.loop import train
 from rlsys.errors import UserError
-from rlsys.trainer.loop import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny-cpu-grpo.yaml")

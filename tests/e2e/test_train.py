@@ -7,7 +7,7 @@ import os
 import pytest
 
 from rlsys.config import load_config
-from rlsys.trainer.loop import train
+from rlsys.controller.loop import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny-cpu-grpo.yaml")

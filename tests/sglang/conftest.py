@@ -14,8 +14,9 @@ def sglang_py() -> str:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
     """A random tiny llama checkpoint with the synthetic task's tokenizer (SGLang loads one at start)."""
+    from tiny_models import make_tiny_hf_checkpoint
+
     from rlsys.data.synthetic import SyntheticTokenizer
-    from rlsys.tiny_models import make_tiny_hf_checkpoint
 
     out = make_tiny_hf_checkpoint("llama", str(tmp_path_factory.mktemp("tiny_llama")), seed=5, **TINY_LLAMA)
     SyntheticTokenizer().save_pretrained(out)

@@ -30,10 +30,10 @@ def _trainer(hf_dir, url, layout, opts, out_dir):
     import torch.distributed as dist
 
     from rlsys.config import RoleConfig
+    from rlsys.megatron.topology import build_topology
     from rlsys.sync.distributed import DistributedWeightSync
-    from rlsys.topology import build_topology
-    from rlsys.training.actor import build_policy_worker
-    from rlsys.training.batch import TrainBatch
+    from rlsys.worker.actor import build_policy_worker
+    from rlsys.worker.batch import TrainBatch
 
     if opts.get("no_session"):  # the bug this issue began with: 0.5.23 without begin/end answers 400
         protocol.SGLANG_RELEASES["0.5.23"] = False
@@ -139,8 +139,9 @@ def run_sync(hf, url, tmp_path, world=2, layout=None, **opts):
 @pytest.fixture(scope="module")
 def trained(tiny_llama, tmp_path_factory):
     """A checkpoint with other weights than the one the engine starts from: what a sync must deliver."""
+    from tiny_models import make_tiny_hf_checkpoint
+
     from rlsys.data.synthetic import SyntheticTokenizer
-    from rlsys.tiny_models import make_tiny_hf_checkpoint
 
     out = make_tiny_hf_checkpoint("llama", str(tmp_path_factory.mktemp("trained")), seed=99, **TINY_LLAMA)
     SyntheticTokenizer().save_pretrained(out)

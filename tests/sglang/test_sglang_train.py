@@ -9,7 +9,7 @@ import pytest
 from real_sglang import TINY_LLAMA
 
 from rlsys.config import load_config
-from rlsys.trainer.loop import train
+from rlsys.controller.loop import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist, pytest.mark.sglang]
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny-cpu-grpo.yaml")

@@ -1,6 +1,6 @@
-"""Turn-taking of colocated roles and engines (``rlsys.trainer.colocation``): what moves when."""
+"""Turn-taking of colocated roles and engines (``rlsys.controller.colocation``): what moves when."""
 
-from rlsys.trainer.colocation import Turns
+from rlsys.controller.colocation import Turns
 
 
 class Log(list):

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from rlsys.training.context_parallel import (
+from rlsys.worker.context_parallel import (
     cp_packed_seq_params,
     cp_partition_indices,
     cp_split,

@@ -6,8 +6,8 @@ import threading
 import pytest
 import torch
 
-from rlsys.convert.hf_config import SUPPORTED_MODEL_TYPES
-from rlsys.rollout.cpu_generate import Gate, Generator, Sample, SamplingParams
+from rlsys.architectures.hf_config import SUPPORTED_MODEL_TYPES
+from rlsys.rollout.cpu.generate import Gate, Generator, Sample, SamplingParams
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [7, 8], [5], [3, 1, 4, 1, 5, 9, 2, 6]]  # mixed lengths: left padding
 
@@ -236,8 +236,8 @@ def test_pause_parks_the_batch_and_a_weight_update_applies(mode, tiny_checkpoint
     the new weights (the first 3 tokens follow the old model, the rest the new one); in place keeps it."""
     from transformers import AutoModelForCausalLM
 
-    from rlsys.convert.hf_checkpoint import HFCheckpoint
-    from rlsys.rollout.hf_weights import HFWeights
+    from rlsys.architectures.hf_checkpoint import HFCheckpoint
+    from rlsys.rollout.cpu.weights import HFWeights
 
     old, new = tiny_checkpoints["qwen2"], make_checkpoint("qwen2", seed=1)
     ckpt = HFCheckpoint(new)

@@ -1,6 +1,6 @@
 import pytest
 
-from rlsys.training.dispatch import dp_shards, merge_shards
+from rlsys.worker.dispatch import dp_shards, merge_shards
 
 
 def test_dp_shards_balance_each_mini_batch_and_keep_order():

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from rlsys.sync.fp8 import (
+from rlsys.architectures.fp8 import (
     FP8_MAX,
     MIN_AMAX,
     dequantize,

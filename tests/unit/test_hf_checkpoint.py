@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rlsys.convert.hf_checkpoint import HFCheckpoint
+from rlsys.architectures.hf_checkpoint import HFCheckpoint
 from rlsys.errors import CheckpointError
 
 

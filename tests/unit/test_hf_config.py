@@ -3,10 +3,10 @@
 import json
 
 import pytest
+from tiny_models import tiny_hf_config
 
-from rlsys.convert.hf_config import arch_from_dict, read_arch
+from rlsys.architectures.hf_config import arch_from_dict, read_arch
 from rlsys.errors import CheckpointError
-from rlsys.tiny_models import tiny_hf_config
 
 
 def raw(model_type, **overrides):

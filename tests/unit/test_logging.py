@@ -13,9 +13,9 @@ import torch
 
 from rlsys.config import LoggingConfig
 from rlsys.errors import UserError
-from rlsys.logging import REQUIRED_KEYS, MetricsLogger, ProgressReporter, format_step, read_metrics
-from rlsys.logging.plot import main as plot_main
-from rlsys.logging.plot import plot_run
+from rlsys.telemetry import REQUIRED_KEYS, MetricsLogger, ProgressReporter, format_step, read_metrics
+from rlsys.telemetry.plot import main as plot_main
+from rlsys.telemetry.plot import plot_run
 
 
 def _cfg(**fields):

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from rlsys.convert.hf_config import ModelArch
-from rlsys.convert.mapping import FusedQKV, GatedMLP, PaddedVocab, Rename, Shard
+from rlsys.architectures.hf_config import ModelArch
+from rlsys.architectures.mapping import FusedQKV, GatedMLP, PaddedVocab, Rename, Shard
 from rlsys.errors import CheckpointError
 
 

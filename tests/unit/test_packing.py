@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from rlsys.training.packing import (
+from rlsys.worker.packing import (
     balance_partitions,
     pack,
     pack_aligned,

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from rlsys.architectures.hf_config import arch_from_dict
 from rlsys.config import load_config
-from rlsys.convert.hf_config import arch_from_dict
 from rlsys.plan import build_plan, enabled_roles, model_arch, rank_coords, render_plan, role_grid
 from rlsys.sizing import RoleShape, count_params, estimate_memory, stage_layers, stage_params
 

@@ -4,12 +4,12 @@ import pytest
 
 from rlsys.config import load_config, releases_engine_memory
 from rlsys.errors import ConfigError
+from rlsys.local_ranks import cpu_flags
 from rlsys.plan import sync_transports
 from rlsys.rollout.launch import (
     CPU_MAX_TOTAL_TOKENS,
     core_binding,
     cpu_attention_backend,
-    cpu_flags,
     engine_dtype,
     sglang_command,
     sglang_cpu_env,

@@ -4,7 +4,8 @@ import time
 import pytest
 import torch
 
-from rlsys.sync.buckets import Bucket, Bucketer, Handoff, dtype_name, unflatten
+from rlsys.sync.buckets import Bucket, Bucketer, Handoff, unflatten
+from rlsys.sync.wire import dtype_name
 
 
 def test_bucketer_bounds_and_order():

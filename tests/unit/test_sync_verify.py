@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from rlsys.rollout.client import EngineError
-from rlsys.rollout.hf_weights import tensor_checksum
 from rlsys.sync.verify import (
     GET_WEIGHTS_BY_NAME,
     WEIGHTS_CHECKSUM,
@@ -16,6 +15,7 @@ from rlsys.sync.verify import (
     sample_difference,
     verify_engines,
 )
+from rlsys.sync.wire import tensor_checksum
 
 
 def trainer_tensors(n=6, seed=0):

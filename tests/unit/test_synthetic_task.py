@@ -59,7 +59,7 @@ def test_tokenizer_round_trip_and_special_tokens():
 def test_saved_tokenizer_loads_in_transformers(tmp_path):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from rlsys.rollout.cpu_engine import _load_tokenizer
+    from rlsys.rollout.cpu.server import _load_tokenizer
 
     tok = SyntheticTokenizer()
     path = tok.save_pretrained(str(tmp_path))

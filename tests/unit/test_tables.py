@@ -2,9 +2,9 @@
 
 import pytest
 
-from rlsys.convert.hf_checkpoint import HFCheckpoint
-from rlsys.convert.hf_config import SUPPORTED_MODEL_TYPES, read_arch
-from rlsys.convert.registry import expected_hf_names
+from rlsys.architectures.hf_checkpoint import HFCheckpoint
+from rlsys.architectures.hf_config import SUPPORTED_MODEL_TYPES, read_arch
+from rlsys.architectures.registry import expected_hf_names
 
 
 @pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)

@@ -1,0 +1,13 @@
+"""Qwen2: Llama with q/k/v biases (tied embeddings on the small models)."""
+
+from rlsys.architectures.hf_config import ModelArch
+from rlsys.architectures.llama import dense_mlp, gqa_attention, model_entries, skip_export
+from rlsys.architectures.mapping import ArchTable
+
+
+def table(arch: ModelArch) -> ArchTable:
+    return ArchTable(
+        model=model_entries(arch),
+        dense_layer=gqa_attention(bias=True) + dense_mlp(),
+        skip_export=skip_export(arch),
+    )

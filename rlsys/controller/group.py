@@ -1,0 +1,109 @@
+"""A role's ranks as one object: Ray actors (one per rank) or, for one rank without Ray, in-process.
+
+The group turns controller calls into SPMD calls: it splits a batch over the data-parallel ranks
+(``rlsys.worker.dispatch``; every TP/PP/CP rank of a replica gets the same share), calls the
+method on every rank at once, and puts per-sample results back in batch order from the ranks
+that hold them (last pipeline stage, TP rank 0).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rlsys.worker.batch import TrainBatch
+from rlsys.worker.dispatch import dp_shards, merge_shards
+from rlsys.worker.rank import RankWorker
+
+if TYPE_CHECKING:
+    from rlsys.controller.placement import Placement
+
+
+class RoleGroup:
+    """``placement``: where each rank's actor runs (``Placement.rank_options``); without one, Ray puts
+    the ranks anywhere with a whole GPU (cuda) or no resources (cpu)."""
+
+    def __init__(self, role: str, world: int, spec: dict, use_ray: bool = True, placement: Placement | None = None):
+        self.role, self.world, self.use_ray = role, world, use_ray
+        if use_ray:
+            import ray
+
+            remote = ray.remote(RankWorker)
+            self.ranks = [remote.options(**self._rank_options(r, spec, placement)).remote() for r in range(world)]
+            master = ray.get(self.ranks[0].address.remote())
+        else:
+            if world != 1:
+                raise ValueError(f"the in-process (no Ray) mode runs one rank per role; {role} has {world}")
+            self.ranks = [RankWorker()]
+            master = self.ranks[0].address()
+        self.infos = self._all("init", *[(role, r, world, master, spec) for r in range(world)])
+        self.dp = self.infos[0]["dp"]
+
+    def _rank_options(self, rank: int, spec: dict, placement: Placement | None) -> dict:
+        env = {"OMP_NUM_THREADS": str(spec.get("threads", 1))}
+        if placement is None:
+            options = {"num_gpus": 1} if spec["device"] == "cuda" else {"num_cpus": 0}
+        else:
+            options = placement.rank_options(self.role, rank)
+            env.update(options.get("runtime_env", {}).get("env_vars", {}))
+        return {**options, "runtime_env": {"env_vars": env}}
+
+    # -- calling ranks --------------------------------------------------------------------------
+
+    def _all(self, method: str, *per_rank_args, same=None):
+        """Call ``method`` on every rank (``per_rank_args[r]`` or the shared ``same`` args); results in rank order."""
+        args = per_rank_args or [same or ()] * self.world
+        if self.use_ray:
+            import ray
+
+            return ray.get([getattr(w, method).remote(*a) for w, a in zip(self.ranks, args)])
+        return [getattr(w, method)(*a) for w, a in zip(self.ranks, args)]
+
+    def _per_sample(self, method: str, batch: TrainBatch, *extra) -> dict[str, list]:
+        shards = dp_shards(batch.lengths, self.dp)
+        results = self._all(method, *[(batch.select(shards[i["dp_rank"]]), *extra) for i in self.infos])
+        reports = {i["dp_rank"]: r for i, r in zip(self.infos, results) if i["reporter"]}
+        names = next(iter(reports.values())).keys()
+        return {name: merge_shards(shards, [reports[d][name] for d in range(self.dp)], len(batch)) for name in names}
+
+    # -- role operations --------------------------------------------------------------------------
+
+    def compute_logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> dict[str, list]:
+        return self._per_sample("compute_logprobs", batch, with_entropy)
+
+    def compute_values(self, batch: TrainBatch) -> dict[str, list]:
+        return self._per_sample("compute_values", batch)
+
+    def update(self, batch: TrainBatch, mini_batches: int) -> dict[str, float]:
+        shards = dp_shards(batch.lengths, self.dp, mini_batches)
+        return self._all("update", *[(batch.select(shards[i["dp_rank"]]),) for i in self.infos])[0]
+
+    def setup_sync(self, urls, engine_tp, sync_cfg, device, weight_dtype="auto", api_key=None, transports=None):
+        self._all("setup_sync", same=(urls, engine_tp, sync_cfg, device, weight_dtype, api_key, transports))
+
+    def sync_weights(self, version: int) -> dict:
+        return self._all("sync_weights", same=(version,))[0]
+
+    def reconnect_sync(self) -> None:
+        self._all("reconnect_sync")
+
+    def offload(self, what=None) -> None:
+        self._all("offload", same=(what,))
+
+    def onload(self, what=None) -> None:
+        self._all("onload", same=(what,))
+
+    def save(self, root: str, step: int, extra: dict, keep_last: int) -> str:
+        return self._all("save", same=(root, step, extra, keep_last))[0]
+
+    def load(self, ckpt_dir: str, load_optimizer: bool) -> dict:
+        return self._all("load", same=(ckpt_dir, load_optimizer))[0]
+
+    def shutdown(self) -> None:
+        try:
+            self._all("shutdown")
+        finally:
+            if self.use_ray:
+                import ray
+
+                for w in self.ranks:
+                    ray.kill(w)

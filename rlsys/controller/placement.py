@@ -1,0 +1,232 @@
+"""Where every process of a run lives: one Ray placement group over all of the cluster's devices.
+
+The plan (``rlsys.plan``) numbers the devices globally: device d is local device ``d % devices_per_node``
+of node ``d // devices_per_node``; role ranks and engines take ranges of them (``device_offsets``).
+``Placement`` makes that true on a Ray cluster.
+
+On cuda it reserves one bundle {"GPU": 1, "CPU": 1} per device (PACK), asks a probe actor in every
+bundle which node and GPU it got, and sorts the bundles by (node IP, GPU id): global device d is the
+d-th bundle in that order. So rank r of every colocated role lands on the same GPU, a node's devices
+are consecutive, and TP groups and engines stay inside a node. On cpu a device is a process, not a
+core: one bundle {"CPU": devices_per_node} per node (STRICT_SPREAD), shared by that node's devices.
+
+Every process takes a share of its bundle (``SHARE``). Ray only accounts with it: the bundle index
+already fixes the device, and the share lets every process that may sit on one device (actor, ref,
+critic ranks and an engine) fit in the bundle together.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+from rlsys.config import RunConfig
+from rlsys.errors import ConfigError
+from rlsys.plan import check_engines_fit, device_offsets, role_world_sizes, rollout_devices
+
+SHARE = 0.2  # of a bundle's GPU and CPU per process: up to five processes per device
+# Ray leaves CUDA_VISIBLE_DEVICES alone with this set: the process sees every GPU of its node. Ranks and
+# engines all run so, and then agree on GPU numbers: CUDA IPC handles (colocated weight sync) name the
+# device by its index, and an engine is told its GPUs by index (--base-gpu-id).
+NOSET_CUDA = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+
+
+@dataclass(frozen=True)
+class Device:
+    bundle: int  # index in the placement group
+    node_ip: str
+    node_id: str  # Ray's node id: tells apart nodes that share an IP
+    gpu_id: int | None  # index of the GPU among the node's visible GPUs (cuda only)
+
+
+class _Probe:
+    """Runs in a bundle (a Ray actor) to report where that bundle is."""
+
+    def where(self) -> tuple[str, str, int | None]:
+        import ray
+
+        gpus = ray.get_gpu_ids()
+        gpu = None if not gpus else local_gpu_index(gpus[0], os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), gpu
+
+
+def local_gpu_index(gpu_id, visible: str | None) -> int:
+    """The index a process that sees all of the node's GPUs uses for Ray's ``gpu_id``: Ray's ids are
+    entries of the node's CUDA_VISIBLE_DEVICES when the node was started with one."""
+    if not visible:
+        return int(gpu_id)
+    entries = [v.strip() for v in visible.split(",")]
+    return entries.index(str(gpu_id))
+
+
+class Placement:
+    """The run's placement group and the device of every role rank and engine. Build with ``create``."""
+
+    def __init__(self, cfg: RunConfig, pg, devices: list[Device]):
+        self.cfg, self.pg, self.devices = cfg, pg, devices
+        self.cuda = cfg.cluster.device == "cuda"
+        self.sizes = role_world_sizes(cfg)
+        self.offsets = device_offsets(cfg, self.sizes)
+
+    @classmethod
+    def create(cls, cfg: RunConfig, timeout_s: float = 60.0) -> Placement:
+        """Reserve the cluster's devices (after ``ray.init``) and order them; ``ConfigError`` when the
+        Ray cluster cannot hold ``cluster.nodes * cluster.devices_per_node`` devices within ``timeout_s``."""
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        check_engines_fit(cfg)  # also part of rlsys plan (validate_layout); cheap to repeat before Ray works
+        c, cuda = cfg.cluster, cfg.cluster.device == "cuda"
+        total = c.nodes * c.devices_per_node
+        if cuda:
+            bundles, strategy = [{"GPU": 1, "CPU": 1} for _ in range(total)], "PACK"
+        else:
+            bundles, strategy = [{"CPU": c.devices_per_node} for _ in range(c.nodes)], "STRICT_SPREAD"
+        pg = placement_group(bundles, strategy=strategy)
+        if not pg.wait(timeout_s):
+            remove_placement_group(pg)
+            need = "a GPU and a CPU per device" if cuda else "a CPU per device, on distinct nodes"
+            raise ConfigError(
+                "cluster",
+                f"Ray could not reserve cluster.nodes * cluster.devices_per_node = {c.nodes} * {c.devices_per_node} "
+                f"= {total} devices ({need}) within {timeout_s:g} s; the Ray cluster has {_summary(cuda)}. "
+                "Set cluster.nodes and cluster.devices_per_node to what the cluster has, or free or add nodes",
+            )
+        try:
+            found = _probe(pg, len(bundles), cuda)
+            if cuda:
+                devices = sorted(found, key=_order)
+                _check_nodes(devices, c.nodes, c.devices_per_node)
+            else:
+                devices = [d for d in sorted(found, key=_order) for _ in range(c.devices_per_node)]
+            placement = cls(cfg, pg, devices)
+            placement._check_engine_gpus()
+        except BaseException:
+            remove_placement_group(pg)
+            raise
+        return placement
+
+    # -- where things go ------------------------------------------------------------------------------
+
+    def rank_options(self, role: str, rank: int) -> dict:
+        """``.options(...)`` of the Ray actor of ``role``'s rank ``rank``: on device ``offset + rank``."""
+        if role not in self.sizes:
+            raise ValueError(f"{role} is not an enabled role of this run (roles: {', '.join(self.sizes)})")
+        if not 0 <= rank < self.sizes[role]:
+            raise ValueError(f"{role} has {self.sizes[role]} ranks; there is no rank {rank}")
+        device = self.offsets[role] + rank
+        if not self.cuda:
+            return self._options(device, {})
+        env = {
+            **NOSET_CUDA,
+            "LOCAL_RANK": str(self.gpu_id(device)),  # the rank's cuda device (rlsys.megatron.topology.init_distributed)
+            # SGLang runs with NCCL_CUMEM_ENABLE=0; NCCL fails when the ranks of a group (the weight-update
+            # group of actor rank 0 and the engines) disagree on it.
+            "NCCL_CUMEM_ENABLE": os.environ.get("NCCL_CUMEM_ENABLE", "0"),
+        }
+        return self._options(device, env)
+
+    def engine_devices(self, index: int) -> list[int]:
+        """Global devices of engine ``index`` (``rollout.tp`` consecutive devices)."""
+        r = self.cfg.rollout
+        if not 0 <= index < r.num_engines or rollout_devices(self.cfg) == 0:
+            raise ValueError(f"there is no engine {index}: this run launches {rollout_devices(self.cfg) // r.tp}")
+        start = self.offsets["rollout"] + index * r.tp
+        return list(range(start, start + r.tp))
+
+    def engine_options(self, index: int) -> dict:
+        """``.options(...)`` of the Ray actor that hosts engine ``index``: on its first device, seeing every
+        GPU of the node (the engine picks its own with ``--base-gpu-id``)."""
+        return self._options(self.engine_devices(index)[0], NOSET_CUDA if self.cuda else {})
+
+    def node_ip(self, device: int) -> str:
+        return self.devices[device].node_ip
+
+    def gpu_id(self, device: int) -> int | None:
+        """Node-local GPU index of a global device (None on cpu)."""
+        return self.devices[device].gpu_id
+
+    def close(self) -> None:
+        """Release the devices; Ray kills every actor still placed on them."""
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.pg)
+
+    def _options(self, device: int, env: dict[str, str]) -> dict:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self.devices[device].bundle)
+        options = {"scheduling_strategy": strategy, "num_cpus": SHARE}
+        if self.cuda:
+            options["num_gpus"] = SHARE
+        if env:
+            options["runtime_env"] = {"env_vars": dict(env)}
+        return options
+
+    def _check_engine_gpus(self) -> None:
+        # SGLang takes GPUs base_gpu_id .. base_gpu_id + tp - 1 of its node.
+        if not self.cuda or rollout_devices(self.cfg) == 0:
+            return
+        for i in range(self.cfg.rollout.num_engines):
+            gpus = [self.gpu_id(d) for d in self.engine_devices(i)]
+            if gpus != list(range(gpus[0], gpus[0] + len(gpus))):
+                raise ConfigError(
+                    "rollout.tp",
+                    f"engine {i} got GPUs {gpus} of node {self.node_ip(self.engine_devices(i)[0])}, which are not "
+                    "consecutive, but SGLang uses consecutive GPUs from --base-gpu-id; start Ray on that node "
+                    "with all its GPUs visible",
+                )
+
+
+def _probe(pg, count: int, cuda: bool) -> list[Device]:
+    """Where each of the ``count`` bundles is, in bundle order."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    probe = ray.remote(_Probe)
+    actors = [
+        probe.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
+            num_cpus=SHARE,
+            num_gpus=SHARE if cuda else 0,
+            # seeing the node's CUDA_VISIBLE_DEVICES lets the probe turn Ray's GPU id into a local index
+            runtime_env={"env_vars": NOSET_CUDA} if cuda else None,
+        ).remote()
+        for b in range(count)
+    ]
+    try:
+        found = ray.get([a.where.remote() for a in actors])
+    finally:
+        for a in actors:
+            ray.kill(a)
+    return [Device(b, ip, node, gpu) for b, (ip, node, gpu) in enumerate(found)]
+
+
+def _order(d: Device) -> tuple:
+    address = ipaddress.ip_address(d.node_ip)
+    return address.version, int(address), d.node_id, d.gpu_id or 0, d.bundle
+
+
+def _check_nodes(devices: list[Device], nodes: int, per_node: int) -> None:
+    # PACK may spread bundles unevenly over partly busy nodes; the plan's node = device // per_node would
+    # then put TP groups and engines across nodes.
+    counts = Counter(d.node_id for d in devices)
+    if len(counts) != nodes or set(counts.values()) != {per_node}:
+        spread = " + ".join(str(counts[n]) for n in dict.fromkeys(d.node_id for d in devices))
+        raise ConfigError(
+            "cluster.devices_per_node",
+            f"Ray placed the {len(devices)} devices as {spread} on {len(counts)} node(s), but the run needs "
+            f"cluster.nodes = {nodes} nodes of cluster.devices_per_node = {per_node} devices each; "
+            "set them to the cluster's real shape, or free whole nodes",
+        )
+
+
+def _summary(cuda: bool) -> str:
+    """What the Ray cluster has of the devices' resource, e.g. '4 GPU on 2 node(s) (2 + 2), 1 free'."""
+    import ray
+
+    kind = "GPU" if cuda else "CPU"
+    nodes = [n["Resources"][kind] for n in ray.nodes() if n["Alive"] and n["Resources"].get(kind)]
+    free = ray.available_resources().get(kind, 0)
+    return f"{sum(nodes):g} {kind} on {len(nodes)} node(s) ({' + '.join(f'{x:g}' for x in nodes)}), {free:g} free"

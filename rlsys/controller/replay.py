@@ -1,0 +1,64 @@
+"""Rollout batches on disk: ``rlsys train --rollout-only`` writes them, ``--train-only`` replays them.
+
+Splitting the two halves of a step helps debugging: rollouts are generated once (engines only, no
+Megatron ranks) and the update can then be rerun on exactly the same data, under a debugger or with
+another layout, without any engine. One file per step, ``<dir>/step_000001.pt``, written under a
+temporary name and renamed, so a crash never leaves a truncated batch behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import torch
+
+from rlsys.errors import UserError
+from rlsys.rollout.batch import RolloutBatch, Sample
+
+_NAME = re.compile(r"^step_(\d{6,})\.pt$")
+
+
+def rollout_dir(output_dir: str) -> str:
+    return os.path.join(output_dir, "rollouts")
+
+
+def save_rollout(directory: str, step: int, batch: RolloutBatch) -> str:
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"step_{step:06d}.pt")
+    record = {
+        "step": step,
+        "samples": [dataclasses.asdict(s) for s in batch.samples],
+        "texts": list(batch.texts),
+        "scores": batch.scores.to(torch.float32),
+        "group_ids": [int(g) for g in batch.group_ids],
+        "reward_metrics": {k: float(v) for k, v in batch.metrics.items()},
+    }
+    torch.save(record, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def saved_steps(directory: str) -> list[str]:
+    """The batch files of ``directory`` in step order; a clear error when there are none."""
+    if not os.path.isdir(directory):
+        raise UserError(
+            f"--train-only: rollout directory '{directory}' does not exist; "
+            "write one with `rlsys train CONFIG --rollout-only` (it goes to <trainer.output_dir>/rollouts)"
+        )
+    files = sorted((f for f in os.listdir(directory) if _NAME.match(f)), key=lambda f: int(_NAME.match(f)[1]))
+    if not files:
+        raise UserError(f"--train-only: no step_*.pt rollout batches in '{directory}'")
+    return [os.path.join(directory, f) for f in files]
+
+
+def load_rollout(path: str) -> RolloutBatch:
+    """The batch ``save_rollout`` wrote."""
+    try:
+        record = torch.load(path, weights_only=True)
+        samples = [Sample(**s) for s in record["samples"]]
+        return RolloutBatch(samples, record["texts"], record["scores"], record["group_ids"], record["reward_metrics"])
+    except (OSError, RuntimeError, KeyError, TypeError, EOFError) as e:
+        hint = "regenerate it with --rollout-only"
+        raise UserError(f"--train-only: cannot read rollout batch '{path}' ({e}); {hint}") from e

@@ -1,0 +1,529 @@
+"""The CPU rollout engine: a server process with SGLang's HTTP protocol on a transformers model.
+
+``python -m rlsys.rollout.cpu.server --model-path DIR --port P`` loads an HF checkpoint and serves the
+SGLang endpoints rlsys uses, with SGLang's request fields, response shapes and status codes (200, or 400
+with ``{"success": false, "message": ...}``), so the same client and weight-sync code run end to end on
+CPU: ``/generate`` (see ``cpu_generate``), the weight updates (``init_weights_update_group`` and
+``update_weights_from_distributed`` over a gloo group, ``update_weights_from_tensor``,
+``update_weights_from_disk``), ``pause_generation``/``continue_generation``, ``flush_cache``,
+``release_memory_occupation``/``resume_memory_occupation``, ``get_weights_by_name``, ``weights_checker``.
+rlsys extension: ``/weights_checksum`` returns ``sync.wire.tensor_checksum`` of every tensor by checkpoint
+name (and its dtype), for ``sync.verify``.
+
+Threads: aiohttp answers on the event loop; model work runs in worker pools (generation and control kept
+apart, so parked requests never starve a weight update). ``cpu_generate.Gate`` plays SGLang's
+``model_update_lock``: a weight load waits for running requests, unless they are paused; new requests wait
+while paused or while a load waits. Pause modes: ``abort`` ends running requests at the next token (finish
+type "abort"), ``retract`` parks them and recomputes their KV cache with the new weights on continue,
+``in_place`` parks them with their cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+from aiohttp import web
+
+from rlsys.architectures.hf_checkpoint import HFCheckpoint
+from rlsys.rollout.cpu.generate import Gate, Generator, parse_request
+from rlsys.rollout.cpu.weights import (
+    HFWeights,
+    WeightUpdateError,
+    decode_tensor_payload,
+    view_bytes,
+)
+from rlsys.sync.process_group import destroy_custom_process_group, init_custom_process_group
+from rlsys.sync.wire import dtype_from_str
+
+logger = logging.getLogger("rlsys.cpu_engine")
+
+
+def _json(body, status: int = 200) -> web.Response:
+    return web.json_response(body, status=status)
+
+
+def _result(success: bool, message: str, **extra) -> web.Response:
+    return _json({"success": success, "message": message, **extra}, 200 if success else 400)
+
+
+def _error(message) -> web.Response:
+    return _json({"error": {"message": str(message)}}, 400)
+
+
+class CPUEngine:
+    """The engine state and one blocking method per endpoint (each takes the JSON body)."""
+
+    def __init__(self, args):
+        from transformers import AutoModelForCausalLM
+
+        self.model_path, self.weight_version = args.model_path, args.weight_version
+        self.tokenizer_path = args.tokenizer_path or args.model_path
+        dtype = "auto" if args.dtype == "auto" else dtype_from_str(args.dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype).eval()
+        self.tokenizer = _load_tokenizer(self.tokenizer_path)
+        self.weights = HFWeights(self.model)
+        context_len = getattr(self.model.config.get_text_config(), "max_position_embeddings", 4096)
+        self.generator = Generator(self.model, self.tokenizer, context_len)
+        self.gate = Gate()
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        self.live: dict[str, object] = {}  # rid -> Sample being generated
+        self.seeds, self.seed_lock = random.Random(args.seed), threading.Lock()
+        self.cpu_backup = args.enable_weights_cpu_backup
+        self.released: dict | None = None  # param name -> (backup tensor or None, shape, dtype)
+        self.snapshot: dict | None = None
+        self.session: str | None = None  # the open weight-update session's selector (SGLang 0.5.21+)
+
+    def _next_seed(self) -> int:
+        with self.seed_lock:
+            return self.seeds.getrandbits(63)
+
+    def _set_version(self, body: dict, message: str) -> str:
+        if body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
+            message += f" Weight version updated to {self.weight_version}."
+        return message
+
+    def _abort_all(self) -> None:
+        self.gate.abort(list(self.live.values()))
+
+    # ---- generation ----
+
+    def generate(self, body: dict) -> web.Response:
+        try:
+            samples, single, text_in_logprobs = parse_request(body, self.tokenizer, self._next_seed)
+            for s in samples:
+                self.generator.check(s)
+        except (ValueError, TypeError) as e:
+            return _error(e)
+        with self.gate.generating():
+            if self.released is not None:
+                return _error("the weights are released: call /resume_memory_occupation first")
+            for s in samples:
+                self.live[s.rid] = s
+            try:  # the request's samples as one batch (some kinds one at a time: see Generator.can_batch)
+                results = self.generator.run_all(samples, self.gate.between_tokens)
+                for resp in results:
+                    resp["meta_info"]["weight_version"] = self.weight_version
+                    if text_in_logprobs:
+                        self.generator.add_token_texts(resp)
+            finally:
+                for s in samples:
+                    self.live.pop(s.rid, None)
+        return _json(results[0] if single else results)
+
+    def health_generate(self, body: dict) -> web.Response:
+        if self.released is not None:
+            return web.Response(status=503)
+        if self.gate.pause_mode is not None:  # paused on purpose: healthy, and a probe must not wait for continue
+            return web.Response(status=200)
+        resp = self.generate({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        return web.Response(status=200 if resp.status == 200 else 503)
+
+    def abort_request(self, body: dict) -> web.Response:
+        self.gate.abort([s for rid, s in list(self.live.items()) if body.get("abort_all") or rid == body.get("rid")])
+        return web.Response(status=200)
+
+    def pause_generation(self, body: dict) -> web.Response:
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            return _error(f"mode must be 'abort', 'retract' or 'in_place', got {mode!r}")
+        self.gate.set_pause(mode)
+        return _json({"message": "Generation paused successfully.", "status": "ok"})
+
+    def continue_generation(self, body: dict) -> web.Response:
+        self.gate.set_pause(None)
+        return _json({"message": "Generation continued successfully.", "status": "ok"})
+
+    def flush_cache(self, body: dict) -> web.Response:
+        # No prefix cache across requests on CPU; like SGLang, flushing needs no request holding a KV cache.
+        ok = self.gate.holding_kv() == 0
+        text = "Cache flushed.\n" if ok else "Cache not flushed because there are pending requests.\n"
+        return web.Response(text=text, status=200 if ok else 400)
+
+    # ---- weight updates ----
+
+    def init_weights_update_group(self, body: dict) -> web.Response:
+        name, backend = body.get("group_name", "weight_update_group"), body.get("backend", "nccl")
+        if backend != "gloo":
+            return _result(False, f"the CPU engine joins weight-update groups over gloo, not {backend!r}")
+        if name in self.groups:
+            return _result(False, f"a weight-update group named {name!r} already exists")
+        try:
+            rank = int(body["rank_offset"])  # + TP rank 0: the CPU engine is a single rank
+            init = f"tcp://{body['master_address']}:{int(body['master_port'])}"
+            self.groups[name] = init_custom_process_group(backend, init, int(body["world_size"]), rank, name)
+        except Exception as e:
+            return _result(False, f"Failed to initialize custom process group: {e}.")
+        return _result(True, "Succeeded to initialize custom process group.")
+
+    def destroy_weights_update_group(self, body: dict) -> web.Response:
+        pg = self.groups.pop(body.get("group_name", "weight_update_group"), None)
+        if pg is None:
+            return _result(False, "The group to be destroyed does not exist.")
+        destroy_custom_process_group(pg)
+        return _result(True, "Succeeded to destroy custom process group.")
+
+    def begin_weight_update(self, body: dict) -> web.Response:
+        if self.session is not None:
+            return _result(False, "a weight-update session is already open; call end_weight_update() first")
+        self.session = str(body.get("selector", "all"))
+        return _result(True, "Success")
+
+    def end_weight_update(self, body: dict) -> web.Response:
+        if self.session is None:
+            return _result(False, "no weight-update session is open; call begin_weight_update() first")
+        self.session = None
+        return _result(True, "Success")
+
+    def _outside_session(self, endpoint: str) -> web.Response | None:
+        # as SGLang 0.5.21+: the two in-place updates are refused outside a session (the disk update is not)
+        if self.session is None:
+            return _result(False, f"{endpoint} must run between begin_weight_update() and end_weight_update()")
+        return None
+
+    def update_weights_from_distributed(self, body: dict) -> web.Response:
+        if (refused := self._outside_session("update_weights_from_distributed")) is not None:
+            return refused
+        names, shapes = list(body.get("names", [])), [list(s) for s in body.get("shapes", [])]
+        pg = self.groups.get(body.get("group_name", "weight_update_group"))
+        try:
+            dtypes = [dtype_from_str(d) for d in body.get("dtypes", [])]
+            if not len(names) == len(dtypes) == len(shapes):
+                raise WeightUpdateError("names, dtypes and shapes must have the same length")
+            if pg is None:
+                raise WeightUpdateError("no such weight-update group: call /init_weights_update_group first")
+        except ValueError as e:  # a WeightUpdateError, or an unknown dtype name
+            return _result(False, str(e))
+        if body.get("abort_all_requests"):
+            self._abort_all()
+        with self.gate.exclusive():
+            try:
+                tensors = _receive(pg, dtypes, shapes, body.get("load_format") == "flattened_bucket")
+            except Exception as e:
+                return _result(False, f"receiving the broadcast failed: {e}")
+            return self._load(list(zip(names, tensors)), body, "Succeeded to update parameter online.")
+
+    def update_weights_from_tensor(self, body: dict) -> web.Response:
+        if (refused := self._outside_session("update_weights_from_tensor")) is not None:
+            return refused
+        payloads = body.get("serialized_named_tensors") or []
+        if not payloads:
+            return _result(False, "serialized_named_tensors must hold one payload per TP rank (one here)")
+        try:
+            named = decode_tensor_payload(payloads[0], body.get("load_format"))  # TP rank 0's entry
+        except Exception as e:
+            return _result(False, f"cannot read serialized_named_tensors: {e}")
+        if body.get("abort_all_requests"):
+            self._abort_all()
+        with self.gate.exclusive():
+            return self._load(named, body, "Succeeded to update model weights.")
+
+    def update_weights_from_disk(self, body: dict) -> web.Response:
+        path = body.get("model_path")
+        if body.get("abort_all_requests"):
+            self._abort_all()
+        try:
+            ckpt = HFCheckpoint(path)
+            named = [(n, ckpt.read(n)) for n in ckpt.names()]
+        except Exception as e:
+            return _result(False, f"cannot read the checkpoint at {path!r}: {e}", num_paused_requests=0)
+        with self.gate.exclusive():
+            resp = self._load(named, body, f"Succeeded to update model weights from {path}.", num_paused_requests=0)
+        if resp.status == 200:
+            self.model_path = path
+        return resp
+
+    def _load(self, named: list, body: dict, message: str, **extra) -> web.Response:
+        """Write tensors into the model; the caller holds ``gate.exclusive()``."""
+        if self.released is not None:
+            return _result(False, "the weights are released: resume 'weights' before updating them", **extra)
+        try:
+            skipped = self.weights.load(named)
+        except WeightUpdateError as e:
+            return _result(False, f"Failed to update weights: {e}", **extra)
+        if skipped:
+            message += f" Skipped {len(skipped)} tensor(s) the model does not hold: {', '.join(skipped[:5])}."
+        return _result(True, self._set_version(body, message), **extra)
+
+    def update_weight_version(self, body: dict) -> web.Response:
+        if body.get("abort_all_requests", True):
+            self._abort_all()
+        self.weight_version = str(body["new_version"])
+        return _result(True, f"Weight version updated to {self.weight_version}", new_version=self.weight_version)
+
+    def release_memory_occupation(self, body: dict) -> web.Response:
+        tags = body.get("tags") or ["weights", "kv_cache", "cuda_graph"]
+        if self.gate.holding_kv() or self.live:
+            return _result(False, "release_memory_occupation needs an idle server")
+        if "weights" in tags and self.released is None:
+            with self.gate.exclusive():  # parameters become empty; buffers (rotary tables...) stay
+                self.released = {}
+                for name, p in self.model.named_parameters():
+                    self.released[name] = (p.data if self.cpu_backup else None, p.shape, p.dtype)
+                    p.data = torch.empty(0, dtype=p.dtype)
+        return _result(True, f"Released {tags}.")
+
+    def resume_memory_occupation(self, body: dict) -> web.Response:
+        tags = body.get("tags") or ["weights", "kv_cache", "cuda_graph"]
+        if "weights" in tags and self.released is not None:
+            with self.gate.exclusive():  # without a CPU backup the contents are lost, as in SGLang: NaN until updated
+                for name, p in self.model.named_parameters():
+                    backup, shape, dtype = self.released[name]
+                    fill = math.nan if dtype.is_floating_point else 0
+                    p.data = backup if backup is not None else torch.full(shape, fill, dtype=dtype)
+                self.released = None
+        return _result(True, f"Resumed {tags}.")
+
+    # ---- inspection ----
+
+    def model_info(self, body: dict) -> web.Response:
+        cfg = self.model.config
+        info = dict(model_path=self.model_path, tokenizer_path=self.tokenizer_path, is_generation=True)
+        info.update(preferred_sampling_params=None, weight_version=self.weight_version, model_type=cfg.model_type)
+        return _json({**info, "architectures": getattr(cfg, "architectures", None)})
+
+    def server_info(self, body: dict) -> web.Response:
+        # The SGLang API level this engine implements, so clients check it like any SGLang server.
+        from rlsys.rollout.protocol import MIRRORED_SGLANG_VERSION
+
+        return _json({"version": MIRRORED_SGLANG_VERSION, "engine": "rlsys-cpu", "model_path": self.model_path})
+
+    def get_weights_by_name(self, body: dict) -> web.Response:
+        t = None if self.released is not None else self.weights.read(str(body.get("name")))
+        if t is None:
+            return _error("Get parameter by name failed")
+        return _json(t.float().tolist()[: int(body.get("truncate_size", 100))])
+
+    def weights_checksum(self, body: dict) -> web.Response:
+        with self.gate.exclusive():
+            if self.released is not None:
+                return _result(False, "the weights are released")
+            try:
+                sums, dtypes = self.weights.checksums(body.get("names"))
+            except WeightUpdateError as e:
+                return _result(False, str(e))
+        return _result(
+            True, "sha256 of dtype, shape and bytes", weight_version=self.weight_version, checksums=sums, dtypes=dtypes
+        )
+
+    def weights_checker(self, body: dict) -> web.Response:
+        action = body.get("action", "checksum")
+        with self.gate.exclusive():
+            if self.released is not None:
+                return _result(False, "the weights are released")
+            state = {n: self.weights.read(n) for n in self.weights.names()}
+            if action == "checksum":
+                sums, _ = self.weights.checksums()
+                per_rank = _digest(f"{n}{sums[n]}" for n in sorted(sums))
+                info = dict(tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, pp_rank=0, pp_size=1, rank=0, size=1)
+                rank = {"checksums": sums, "per_gpu_checksum": per_rank, "parallelism_info": info}
+                return _result(True, "Success.", ranks=[rank], per_engine_checksum=_digest([per_rank]))
+            if action == "snapshot":
+                self.snapshot = {n: t.clone() for n, t in state.items()}
+            elif action == "reset_tensors":
+                for t in state.values():
+                    t.copy_(torch.rand_like(t, dtype=torch.float32).to(t.dtype))
+            elif action == "compare":
+                if self.snapshot is None:
+                    return _result(False, "compare needs a snapshot first")
+                diff = [n for n, t in state.items() if not torch.equal(t, self.snapshot[n])]
+                if diff:
+                    return _result(False, f"check tensor equality failed: {len(diff)} differ: {', '.join(diff[:20])}")
+            else:
+                return _result(False, f"Unsupported action={action!r}")
+        return _result(True, "Success.")
+
+
+def _digest(parts) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p.encode())
+    return h.hexdigest()
+
+
+def _receive(pg, dtypes: list, shapes: list, flattened: bool) -> list[torch.Tensor]:
+    """Receive a bucket from group rank 0: one broadcast per tensor in list order, or one uint8 broadcast
+    of the tensors' bytes concatenated (``flattened_bucket``)."""
+    if not flattened:
+        tensors = [torch.empty(s, dtype=d) for d, s in zip(dtypes, shapes)]
+        for work in [dist.broadcast(t, src=0, group=pg, async_op=True) for t in tensors]:
+            work.wait()
+        return tensors
+    sizes = [math.prod(s) * d.itemsize for d, s in zip(dtypes, shapes)]
+    flat = torch.empty(sum(sizes), dtype=torch.uint8)
+    dist.broadcast(flat, src=0, group=pg)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [view_bytes(flat[o : o + n], d, s) for o, n, d, s in zip(offsets, sizes, dtypes, shapes)]
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _load_tokenizer(path: str):
+    """The checkpoint's tokenizer, or None without tokenizer files (then only ``input_ids`` are served:
+    transformers would otherwise build an empty tokenizer whose EOS id 0 would stop generation)."""
+    from transformers import AutoTokenizer
+
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(path)
+
+
+# ---- HTTP ----
+
+ROUTES = {  # path: (methods, engine method, runs on the control pool)
+    "/generate": (("POST", "PUT"), "generate", False),
+    "/health_generate": (("GET",), "health_generate", False),
+    "/abort_request": (("POST",), "abort_request", True),
+    "/pause_generation": (("POST",), "pause_generation", True),
+    "/continue_generation": (("POST",), "continue_generation", True),
+    "/flush_cache": (("GET", "POST"), "flush_cache", True),
+    "/init_weights_update_group": (("POST",), "init_weights_update_group", True),
+    "/destroy_weights_update_group": (("POST",), "destroy_weights_update_group", True),
+    "/begin_weight_update": (("POST",), "begin_weight_update", True),
+    "/end_weight_update": (("POST",), "end_weight_update", True),
+    "/update_weights_from_distributed": (("POST",), "update_weights_from_distributed", True),
+    "/update_weights_from_tensor": (("POST",), "update_weights_from_tensor", True),
+    "/update_weights_from_disk": (("POST",), "update_weights_from_disk", True),
+    "/update_weight_version": (("POST",), "update_weight_version", True),
+    "/release_memory_occupation": (("GET", "POST"), "release_memory_occupation", True),
+    "/resume_memory_occupation": (("GET", "POST"), "resume_memory_occupation", True),
+    "/model_info": (("GET",), "model_info", True),
+    "/server_info": (("GET",), "server_info", True),
+    "/get_server_info": (("GET",), "server_info", True),
+    "/get_model_info": (("GET",), "model_info", True),
+    "/get_weights_by_name": (("GET", "POST"), "get_weights_by_name", True),
+    "/weights_checker": (("GET", "POST"), "weights_checker", True),
+    "/weights_checksum": (("GET", "POST"), "weights_checksum", True),
+}
+
+
+def build_app(engine: CPUEngine, api_key: str | None = None) -> web.Application:
+    """``api_key``: as SGLang's ``--api-key``, every endpoint but ``/health*`` wants ``Authorization: Bearer``."""
+    gen_pool = ThreadPoolExecutor(64, thread_name_prefix="generate")
+    ctl_pool = ThreadPoolExecutor(16, thread_name_prefix="control")
+
+    @web.middleware
+    async def authorize(request: web.Request, handler):
+        open_path = request.path.startswith("/health")
+        if api_key and not open_path and request.headers.get("Authorization") != f"Bearer {api_key}":
+            return _json({"error": {"message": "Unauthorized"}}, 401)
+        return await handler(request)
+
+    app = web.Application(client_max_size=1 << 40, middlewares=[authorize])  # tensor payloads can be large
+
+    def handler(method, pool):
+        async def handle(request: web.Request) -> web.Response:
+            body = dict(request.query)
+            if request.can_read_body:
+                try:
+                    data = await request.json()
+                except ValueError as e:
+                    return _error(f"the request body is not JSON: {e}")
+                if not isinstance(data, (dict, type(None))):
+                    return _error("the request body must be a JSON object")
+                body.update(data or {})
+            try:
+                return await asyncio.get_running_loop().run_in_executor(pool, method, body)
+            except Exception as e:  # a bug or a broken model: say what, keep serving
+                logger.exception("%s failed", request.path)
+                return _json({"error": {"message": f"{type(e).__name__}: {e}"}}, 500)
+
+        return handle
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    app.router.add_get("/health", health)
+    for path, (methods, name, control) in ROUTES.items():
+        for m in methods:
+            app.router.add_route(m, path, handler(getattr(engine, name), ctl_pool if control else gen_pool))
+    return app
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="SGLang-protocol rollout engine on CPU (transformers)")
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--tokenizer-path", default=None)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--dtype", default="auto", help="'auto' (the checkpoint's), 'float32', 'bfloat16', ...")
+    ap.add_argument("--seed", type=int, default=0, help="seeds requests that carry no sampling_seed")
+    ap.add_argument("--weight-version", default="default")
+    ap.add_argument("--enable-weights-cpu-backup", action="store_true", help="resume restores released weights")
+    ap.add_argument("--num-threads", type=int, default=1, help="torch CPU threads (1 suits small models)")
+    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (but on /health)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(args.num_threads)
+    torch.manual_seed(args.seed)
+    engine = CPUEngine(args)
+    web.run_app(
+        build_app(engine, args.api_key), host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=2
+    )
+    os._exit(0)  # worker threads may be blocked in a rendezvous or broadcast: do not wait for them
+
+
+def launch_cpu_engine(
+    model_path: str,
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    dtype: str = "auto",
+    seed: int = 0,
+    weight_version: str = "default",
+    extra_args: tuple[str, ...] = (),
+    timeout_s: float = 120.0,
+    env: dict | None = None,
+) -> tuple[subprocess.Popen, str]:
+    """Start a CPU engine process and wait until ``/health`` answers; returns ``(process, url)``.
+
+    Its output goes to the file ``process.log_path``; the caller terminates the process.
+    """
+    if port is None:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    fd, log_path = tempfile.mkstemp(prefix="rlsys-cpu-engine-", suffix=".log")
+    cmd = [sys.executable, "-m", "rlsys.rollout.cpu.server", "--model-path", model_path, "--host", host]
+    cmd += ["--port", str(port), "--dtype", dtype, "--seed", str(seed), "--weight-version", weight_version]
+    with os.fdopen(fd, "w") as log:
+        proc = subprocess.Popen([*cmd, *extra_args], stdout=log, stderr=subprocess.STDOUT, env=env or os.environ.copy())
+    proc.log_path = log_path
+    url, deadline = f"http://{host}:{port}", time.time() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the CPU engine exited with code {proc.returncode}:\n{_tail(log_path)}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=2) as r:
+            if r.status == 200:
+                return proc, url
+        if time.time() > deadline:
+            proc.kill()
+            raise TimeoutError(f"the CPU engine did not answer /health within {timeout_s:.0f}s:\n{_tail(log_path)}")
+        time.sleep(0.2)
+
+
+def _tail(path: str, n: int = 40) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-n:])
+
+
+if __name__ == "__main__":
+    main()

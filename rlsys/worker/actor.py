@@ -1,0 +1,179 @@
+"""The policy worker: log-probs for the actor (old policy) and the reference, and the actor update.
+
+One instance per rank. The batch it receives is this data-parallel rank's share (the worker
+group splits and gathers); per-token results come back on the last pipeline stage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlsys.algorithms.kl import entropy_bonus, kl_loss
+from rlsys.algorithms.policy_loss import gspo_policy_loss, ppo_policy_loss
+from rlsys.algorithms.vocab_parallel import logprobs_and_entropy
+from rlsys.config import AlgorithmConfig
+from rlsys.worker.batch import TrainBatch, unpad_rows
+from rlsys.worker.engine import MegatronEngine
+from rlsys.worker.microbatch import ModelInput, response_fields
+
+ACTOR_METRICS = {
+    "actor/pg_loss": "sum",
+    "actor/kl_loss": "sum",
+    "actor/entropy_loss": "sum",
+    "actor/loss": "sum",
+    "actor/clipfrac": "mean",
+    "actor/clipfrac_low": "mean",
+    "actor/clipfrac_high": "mean",
+    "actor/dual_clipfrac": "mean",
+    "actor/approx_kl": "mean",
+    "actor/ratio_mean": "mean",
+    "actor/ratio_max": "max",
+    "actor/tokens": "sum",
+}
+
+
+class PolicyWorker:
+    """Actor (``engine.trainable``) or reference model (forward only) on one rank."""
+
+    def __init__(self, engine: MegatronEngine, algo: AlgorithmConfig | None = None, temperature: float = 1.0):
+        self.engine, self.algo, self.temperature = engine, algo, temperature
+        self.topo = engine.topo
+        self.vocab_size = engine.arch.vocab_size
+
+    # -- shared pieces ------------------------------------------------------------------------
+
+    def _logprobs(self, logits: torch.Tensor, inp: ModelInput, with_entropy: bool):
+        """Per-response-token log-probs (and entropy) ``[n, max_response_len]`` from vocab-parallel logits."""
+        logits = self._mask_vocab_padding(logits)
+        logp, ent = logprobs_and_entropy(logits, inp.targets, self.topo.pg.tp, self.temperature, with_entropy)
+        # under CP each rank scores its slice; gather the log-probs (never the logits) to the whole row
+        logp = inp.responses(inp.full_row(logp))
+        return logp, (inp.responses(inp.full_row(ent)) if ent is not None else None)
+
+    def _mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        # Megatron pads the vocab to a TP-friendly size; the padding rows must get no probability.
+        local = logits.shape[-1]
+        start = self.topo.tp_rank * local
+        if start + local <= self.vocab_size:
+            return logits
+        cols = torch.arange(start, start + local, device=logits.device)
+        return logits.masked_fill(cols >= self.vocab_size, -1e9)
+
+    # -- forward only -------------------------------------------------------------------------
+
+    def compute_logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> dict[str, list[torch.Tensor]] | None:
+        """``{"logp": [...], "entropy": [...]}`` per sample in batch order, on the last stage (else ``None``)."""
+        groups, fixed = self.engine.plan_microbatches(batch, "actor.batch.max_tokens_per_microbatch")
+        inputs = self.engine.inputs(batch, groups, fixed)
+
+        def collect(output, inp: ModelInput):
+            logp, ent = self._logprobs(output, inp, with_entropy)
+            return inp.indices, logp.cpu(), None if ent is None else ent.cpu()
+
+        results = self.engine.run(inputs, collect_fn=collect)
+        if not self.topo.is_last_stage:
+            return None
+        out = {"logp": [None] * len(batch)}
+        if with_entropy:
+            out["entropy"] = [None] * len(batch)
+        lengths = batch.response_lengths
+        for indices, logp, ent in results:
+            for row, rows_logp in zip(indices, unpad_rows(logp, [lengths[i] for i in indices])):
+                out["logp"][row] = rows_logp
+            if ent is not None:
+                for row, rows_ent in zip(indices, unpad_rows(ent, [lengths[i] for i in indices])):
+                    out["entropy"][row] = rows_ent
+        return out
+
+    # -- update -------------------------------------------------------------------------------
+
+    def update(self, batch: TrainBatch) -> dict[str, float]:
+        """PPO epochs x mini-batches of this rank's share; needs fields ``advantages`` and ``old_logp``
+        (plus ``ref_logp`` with a KL loss, ``rollout_weights`` for mismatch correction).
+
+        Returns metrics averaged over the optimizer steps (``actor/lr`` is the last step's).
+        """
+        a = self.algo
+        norm = a.dr_grpo_norm if a.loss_agg_mode == "seq-mean-token-sum-norm" else None
+        return self.engine.train(
+            batch,
+            a.mini_batches_per_step,
+            a.ppo_epochs,
+            self._loss_fn,
+            ACTOR_METRICS,
+            prefix="actor",
+            agg=a.loss_agg_mode,
+            norm_const=norm,
+        )
+
+    def _loss_fn(self, mini: TrainBatch, denominators: dict):
+        a = self.algo
+        use_kl = a.use_kl_loss and a.kl_coef > 0
+        names = ["advantages", "old_logp"] + (["ref_logp"] if use_kl else [])
+        names += ["rollout_weights"] if "rollout_weights" in mini.fields else []
+        policy_loss = gspo_policy_loss if a.name == "gspo" else ppo_policy_loss
+        clip = {"clip_low": a.clip_low, "clip_high": a.clip_high}
+        if a.name != "gspo":
+            clip.update(dual_clip=a.dual_clip, log_ratio_clip=a.log_ratio_clip)
+
+        def loss_fn(output, inp: ModelInput):
+            f = response_fields(mini, inp, names, output.device)
+            logp, ent = self._logprobs(output, inp, with_entropy=a.entropy_coef > 0)
+            mask = f["mask"]
+            loss, m = policy_loss(
+                logp,
+                f["old_logp"],
+                f["advantages"],
+                mask,
+                agg=a.loss_agg_mode,
+                weights=f.get("rollout_weights"),
+                **clip,
+                **denominators,
+            )
+            entry = {f"actor/{k}": (float(v), 1.0) for k, v in m.items() if k == "pg_loss"}
+            n = float(mask.sum())
+            entry.update({f"actor/{k}": (float(v) * n, n) for k, v in m.items() if k not in ("pg_loss", "ratio_max")})
+            entry["actor/ratio_max"] = (float(m["ratio_max"]), 1.0)
+            entry["actor/tokens"] = (n, 1.0)
+            if use_kl:
+                kl_value, _ = kl_loss(logp, f["ref_logp"], mask, a.kl_estimator, a.loss_agg_mode, **denominators)
+                loss = loss + a.kl_coef * kl_value
+                entry["actor/kl_loss"] = (float(kl_value), 1.0)
+            if ent is not None:
+                ent_value, _ = entropy_bonus(ent, mask, a.loss_agg_mode, **denominators)
+                loss = loss - a.entropy_coef * ent_value
+                entry["actor/entropy_loss"] = (float(ent_value), 1.0)
+            entry["actor/loss"] = (float(loss), 1.0)
+            return loss, entry
+
+        return loss_fn
+
+
+def build_policy_worker(
+    hf_dir: str,
+    topo,
+    role_cfg,
+    algo: AlgorithmConfig | None,
+    dtype: str = "fp32",
+    temperature: float = 1.0,
+    trainable: bool = True,
+    total_steps: int = 1,
+    vocab_divisible_by: int = 128,
+) -> PolicyWorker:
+    """An actor (``trainable``) or reference worker initialized from an HF checkpoint."""
+    from rlsys.architectures.hf_config import read_arch
+    from rlsys.megatron.load import load_hf_weights
+
+    arch = read_arch(hf_dir)
+    engine = MegatronEngine(
+        arch,
+        topo,
+        role_cfg,
+        dtype=dtype,
+        vocab_divisible_by=vocab_divisible_by,
+        trainable=trainable,
+        total_steps=total_steps,
+        hf_dir=hf_dir,
+        load=lambda chunks: load_hf_weights(chunks, arch, topo, hf_dir),
+    )
+    return PolicyWorker(engine, algo, temperature)
