@@ -2,9 +2,10 @@
 
 Schema-agnostic: ``rlsys.config`` holds the schema and calls these. Every key
 is checked against the dataclass fields (unknown keys get a difflib
-suggestion) and every leaf against its type hint (``int | None``,
-``list[str]``, ``dict | None``, ``Literal[...]``, nested dataclasses). Errors
-are ``ConfigError`` with the dotted key path.
+suggestion, or the new key when the schema's table of moved keys has it) and
+every leaf against its type hint (``int | None``, ``list[str]``, ``dict | None``,
+``Literal[...]``, nested dataclasses). Errors are ``ConfigError`` with the
+dotted key path.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import functools
 import re
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
@@ -95,6 +97,30 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+# Old dotted key -> new dotted key. A moved section also covers every key below it.
+MovedKeys = Mapping[str, str]
+
+
+def _new_path(path: str, moved: MovedKeys) -> str | None:
+    """Where ``path`` lives now, if it or a section above it is in ``moved``."""
+    head, tail = path, ""
+    while head:
+        if head in moved:
+            return moved[head] + tail
+        head, _, last = head.rpartition(".")
+        tail = f".{last}{tail}"
+    return None
+
+
+def _moved_error(paths: list[str], moved: MovedKeys) -> ConfigError | None:
+    renames = [(p, _new_path(p, moved)) for p in paths]
+    renames = [(old, new) for old, new in renames if new is not None]
+    if not renames:
+        return None
+    what = ", ".join(f"{old} moved to {new}" for old, new in renames)
+    return ConfigError(renames[0][0], f"{what}; rename {'it' if len(renames) == 1 else 'them'} in your config")
+
+
 def _bad_key(path: str, key: str, cls: type) -> ConfigError:
     names = [f.name for f in dataclasses.fields(cls)]
     close = difflib.get_close_matches(str(key), names, n=1)
@@ -103,23 +129,27 @@ def _bad_key(path: str, key: str, cls: type) -> ConfigError:
     return ConfigError(path, f"unknown key '{key}' in {section}{hint} (valid keys: {', '.join(names)})")
 
 
-def merge(default: Any, raw: Any, tp: Any, path: str) -> Any:
+def merge(default: Any, raw: Any, tp: Any, path: str, moved: MovedKeys | None = None) -> Any:
     """Return ``raw`` checked against type ``tp``; mappings merge into ``default``.
 
     Merging into the parent's default instance (rather than the class defaults)
-    keeps per-section defaults such as the critic's larger learning rate.
+    keeps per-section defaults such as the critic's larger learning rate. An
+    unknown key found in ``moved`` is reported with its new path.
     """
     if dataclasses.is_dataclass(tp):
         if not isinstance(raw, dict):
             raise ConfigError(path, f"expected a mapping of {tp.__name__} keys, got {raw!r}")
         hints = _hints(tp)
         known = {f.name for f in dataclasses.fields(tp)}
+        unknown = [key for key in raw if key not in known]
+        if unknown:
+            subs = [f"{path}.{key}" if path else str(key) for key in unknown]
+            # every moved key of the mapping at once: an old config usually has several
+            raise _moved_error(subs, moved or {}) or _bad_key(subs[0], unknown[0], tp)
         updates = {}
         for key, value in raw.items():
             sub = f"{path}.{key}" if path else str(key)
-            if key not in known:
-                raise _bad_key(sub, key, tp)
-            updates[key] = merge(getattr(default, key), value, hints[key], sub)
+            updates[key] = merge(getattr(default, key), value, hints[key], sub, moved)
         return dataclasses.replace(default, **updates)
     return _check_value(raw, tp, path)
 
@@ -161,10 +191,11 @@ def _matches(value: Any, tp: Any) -> bool:
     return isinstance(value, tp)
 
 
-def apply_override(raw: dict, override: str, root: type) -> None:
+def apply_override(raw: dict, override: str, root: type, moved: MovedKeys | None = None) -> None:
     """Set ``key.path=value`` in the raw dict, after checking the path against ``root``'s schema.
 
-    The value is parsed as YAML, so ``a.b=2`` is an int and ``a.c=[x, y]`` a list.
+    The value is parsed as YAML, so ``a.b=2`` is an int and ``a.c=[x, y]`` a list. A path
+    found in ``moved`` is reported with its new path.
     """
     key, sep, text = override.partition("=")
     key = key.strip()
@@ -181,7 +212,7 @@ def apply_override(raw: dict, override: str, root: type) -> None:
         path = ".".join(parts[: i + 1])
         if dataclasses.is_dataclass(tp):
             if part not in _hints(tp):
-                raise _bad_key(path, part, tp)
+                raise _moved_error([key], moved or {}) or _bad_key(path, part, tp)
             tp = _hints(tp)[part]
         elif not _matches({}, tp):  # below a free-form dict (model.hf_config) any key goes
             raise ConfigError(path, f"'{'.'.join(parts[:i])}' is a value, not a section")

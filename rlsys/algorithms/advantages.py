@@ -30,7 +30,7 @@ import torch
 from rlsys.algorithms.filters import GroupIds, as_group_index
 
 if TYPE_CHECKING:
-    from rlsys.config import AlgorithmConfig
+    from rlsys.config import AdvantageConfig
 
 Lambda = float | torch.Tensor
 
@@ -338,41 +338,45 @@ GROUP_NORMALIZED = ("grpo", "dapo", "gspo")
 
 
 def compute_advantages(
-    algo: AlgorithmConfig,
+    name: str,
+    adv: AdvantageConfig,
     scores: torch.Tensor,
     group_ids: list,
     mask: torch.Tensor,
     old_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     values: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
+    *,
+    reward_kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """``(advantages [B, R], critic returns [B, R] or None, metrics)`` from outcome ``scores`` [B].
 
-    ``mask`` marks the trained response tokens. With ``use_kl_loss: false`` and ``kl_coef > 0`` the
-    KL to the reference is folded into the token rewards (PPO / REINFORCE++ style) at ``kl_coef``
-    (the controller's fixed or adaptive coefficient).
+    ``name`` is the algorithm (``algorithm.name``) and ``mask`` marks the trained response tokens.
+    ``reward_kl_coef > 0`` folds the KL to the reference into the token rewards (PPO / REINFORCE++
+    style, needs ``old_logp`` and ``ref_logp``): the caller passes its fixed or adaptive coefficient
+    when ``algorithm.kl.use_loss`` is false, and 0 when the actor adds the KL as a loss term. The
+    estimators that work on the outcome scores alone (GRPO, RLOO, REINFORCE++-baseline) ignore it.
     """
-    name, metrics = algo.name, {}
+    metrics = {}
     if name in GROUP_NORMALIZED or name == "rloo":
         seq = (
             rloo_advantages(scores, group_ids)
             if name == "rloo"
-            else grpo_advantages(scores, group_ids, algo.norm_adv_by_std, algo.adv_eps)
+            else grpo_advantages(scores, group_ids, adv.norm_by_std, adv.eps)
         )
         return broadcast_to_tokens(seq, mask), None, metrics
-    if name == "reinforce_pp" and algo.reinforce_baseline:
+    if name == "reinforce_pp" and adv.reinforce_baseline:
         return reinforce_pp_baseline_advantages(scores, group_ids, mask), None, metrics
     rewards = outcome_to_token_rewards(scores, mask)
-    if not algo.use_kl_loss and kl_coef > 0 and ref_logp is not None:
-        rewards, kl = kl_shaped_rewards(rewards, old_logp, ref_logp, mask, kl_coef)
+    if reward_kl_coef > 0 and ref_logp is not None:
+        rewards, kl = kl_shaped_rewards(rewards, old_logp, ref_logp, mask, reward_kl_coef)
         metrics["actor/reward_kl"] = float((kl.sum() / mask.sum().clamp(min=1)).item())
     if name == "reinforce_pp":
-        return reinforce_pp_advantages(rewards, mask, algo.gamma), None, metrics
+        return reinforce_pp_advantages(rewards, mask, adv.gamma), None, metrics
     # ppo: GAE on the critic's values, optionally VAPO's length-adaptive / decoupled lambdas
-    lam = length_adaptive_lambda(mask.sum(-1), algo.lam_alpha) if algo.lam_alpha else algo.lam
-    if algo.lam_critic is not None:
-        adv, returns = decoupled_gae(rewards, values, mask, algo.gamma, lam, algo.lam_critic)
+    lam = length_adaptive_lambda(mask.sum(-1), adv.lam_alpha) if adv.lam_alpha else adv.lam
+    if adv.lam_critic is not None:
+        advantages, returns = decoupled_gae(rewards, values, mask, adv.gamma, lam, adv.lam_critic)
     else:
-        adv, returns = gae(rewards, values, mask, algo.gamma, lam)
-    return adv, returns, metrics
+        advantages, returns = gae(rewards, values, mask, adv.gamma, lam)
+    return advantages, returns, metrics

@@ -181,7 +181,8 @@ class DynamicSampler:
                 raise DynamicSamplingExhausted(
                     f"dynamic sampling kept only {len(self.groups)} of {self.target_groups} groups with reward "
                     f"variance after {self.rounds} rounds ({self.dropped_groups} of {self.seen_groups} groups had "
-                    f"identical rewards); increase algorithm.dynamic_sampling.max_rounds or the prompt batch size"
+                    "identical rewards); increase algorithm.filters.dynamic_sampling.max_rounds or the prompt "
+                    "batch size"
                 )
         groups, surplus = self.groups[: self.target_groups], self.groups[self.target_groups :]
         metrics = {

@@ -11,7 +11,7 @@ import torch
 from rlsys.algorithms.kl import entropy_bonus, kl_loss
 from rlsys.algorithms.policy_loss import gspo_policy_loss, ppo_policy_loss
 from rlsys.algorithms.vocab_parallel import logprobs_and_entropy
-from rlsys.config import AlgorithmConfig
+from rlsys.config import PolicyObjective
 from rlsys.worker.batch import TrainBatch, unpad_rows
 from rlsys.worker.engine import MegatronEngine
 from rlsys.worker.microbatch import ModelInput, response_fields
@@ -35,8 +35,9 @@ ACTOR_METRICS = {
 class PolicyWorker:
     """Actor (``engine.trainable``) or reference model (forward only) on one rank."""
 
-    def __init__(self, engine: MegatronEngine, algo: AlgorithmConfig | None = None, temperature: float = 1.0):
-        self.engine, self.algo, self.temperature = engine, algo, temperature
+    def __init__(self, engine: MegatronEngine, objective: PolicyObjective | None = None, temperature: float = 1.0):
+        # the reference model only computes log-probs: no objective
+        self.engine, self.objective, self.temperature = engine, objective, temperature
         self.topo = engine.topo
         self.vocab_size = engine.arch.vocab_size
 
@@ -93,39 +94,40 @@ class PolicyWorker:
 
         Returns metrics averaged over the optimizer steps (``actor/lr`` is the last step's).
         """
-        a = self.algo
-        norm = a.dr_grpo_norm if a.loss_agg_mode == "seq-mean-token-sum-norm" else None
+        pl, schedule = self.objective.loss, self.objective.schedule
+        norm = pl.dr_grpo_norm if pl.agg_mode == "seq-mean-token-sum-norm" else None
         return self.engine.train(
             batch,
-            a.mini_batches_per_step,
-            a.ppo_epochs,
+            schedule.mini_batches_per_step,
+            schedule.ppo_epochs,
             self._loss_fn,
             ACTOR_METRICS,
             prefix="actor",
-            agg=a.loss_agg_mode,
+            agg=pl.agg_mode,
             norm_const=norm,
         )
 
     def _loss_fn(self, mini: TrainBatch, denominators: dict):
-        a = self.algo
-        use_kl = a.use_kl_loss and a.kl_coef > 0
+        obj = self.objective
+        pl, kl = obj.loss, obj.kl
+        use_kl = kl.use_loss and kl.coef > 0
         names = ["advantages", "old_logp"] + (["ref_logp"] if use_kl else [])
         names += ["rollout_weights"] if "rollout_weights" in mini.fields else []
-        policy_loss = gspo_policy_loss if a.name == "gspo" else ppo_policy_loss
-        clip = {"clip_low": a.clip_low, "clip_high": a.clip_high}
-        if a.name != "gspo":
-            clip.update(dual_clip=a.dual_clip, log_ratio_clip=a.log_ratio_clip)
+        policy_loss = gspo_policy_loss if obj.name == "gspo" else ppo_policy_loss
+        clip = {"clip_low": pl.clip_low, "clip_high": pl.clip_high}
+        if obj.name != "gspo":
+            clip.update(dual_clip=pl.dual_clip, log_ratio_clip=pl.log_ratio_clip)
 
         def loss_fn(output, inp: ModelInput):
             f = response_fields(mini, inp, names, output.device)
-            logp, ent = self._logprobs(output, inp, with_entropy=a.entropy_coef > 0)
+            logp, ent = self._logprobs(output, inp, with_entropy=pl.entropy_coef > 0)
             mask = f["mask"]
             loss, m = policy_loss(
                 logp,
                 f["old_logp"],
                 f["advantages"],
                 mask,
-                agg=a.loss_agg_mode,
+                agg=pl.agg_mode,
                 weights=f.get("rollout_weights"),
                 **clip,
                 **denominators,
@@ -136,12 +138,12 @@ class PolicyWorker:
             entry["actor/ratio_max"] = (float(m["ratio_max"]), 1.0)
             entry["actor/tokens"] = (n, 1.0)
             if use_kl:
-                kl_value, _ = kl_loss(logp, f["ref_logp"], mask, a.kl_estimator, a.loss_agg_mode, **denominators)
-                loss = loss + a.kl_coef * kl_value
+                kl_value, _ = kl_loss(logp, f["ref_logp"], mask, kl.estimator, pl.agg_mode, **denominators)
+                loss = loss + kl.coef * kl_value
                 entry["actor/kl_loss"] = (float(kl_value), 1.0)
             if ent is not None:
-                ent_value, _ = entropy_bonus(ent, mask, a.loss_agg_mode, **denominators)
-                loss = loss - a.entropy_coef * ent_value
+                ent_value, _ = entropy_bonus(ent, mask, pl.agg_mode, **denominators)
+                loss = loss - pl.entropy_coef * ent_value
                 entry["actor/entropy_loss"] = (float(ent_value), 1.0)
             entry["actor/loss"] = (float(loss), 1.0)
             return loss, entry
@@ -153,14 +155,15 @@ def build_policy_worker(
     hf_dir: str,
     topo,
     role_cfg,
-    algo: AlgorithmConfig | None,
+    objective: PolicyObjective | None,
     dtype: str = "fp32",
     temperature: float = 1.0,
     trainable: bool = True,
     total_steps: int = 1,
     vocab_divisible_by: int = 128,
 ) -> PolicyWorker:
-    """An actor (``trainable``) or reference worker initialized from an HF checkpoint."""
+    """An actor (``trainable``, with its ``objective``) or reference worker (``objective=None``) initialized from
+    an HF checkpoint."""
     from rlsys.architectures.hf_config import read_arch
     from rlsys.megatron.load import load_hf_weights
 
@@ -176,4 +179,4 @@ def build_policy_worker(
         hf_dir=hf_dir,
         load=lambda chunks: load_hf_weights(chunks, arch, topo, hf_dir),
     )
-    return PolicyWorker(engine, algo, temperature)
+    return PolicyWorker(engine, objective, temperature)

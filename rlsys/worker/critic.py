@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from rlsys.algorithms.value_loss import value_loss
-from rlsys.config import AlgorithmConfig, RoleConfig
+from rlsys.config import RoleConfig, ValueObjective
 from rlsys.megatron.model import TORCH_DTYPES
 from rlsys.worker.batch import TrainBatch, unpad_rows
 from rlsys.worker.engine import MegatronEngine
@@ -52,8 +52,8 @@ class ValueHead(torch.nn.Module):
 
 
 class CriticWorker:
-    def __init__(self, engine: MegatronEngine, algo: AlgorithmConfig):
-        self.engine, self.algo, self.topo = engine, algo, engine.topo
+    def __init__(self, engine: MegatronEngine, objective: ValueObjective):
+        self.engine, self.objective, self.topo = engine, objective, engine.topo
 
     def compute_values(self, batch: TrainBatch) -> dict[str, list[torch.Tensor]] | None:
         """``{"values": [...]}`` per sample (one value per response token), on the last stage, else ``None``."""
@@ -74,14 +74,16 @@ class CriticWorker:
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """Clipped value regression onto ``returns``; needs fields ``values`` (old) and ``returns``."""
-        a = self.algo
-        return self.engine.train(batch, a.mini_batches_per_step, a.ppo_epochs, self._loss_fn, CRITIC_METRICS, "critic")
+        s = self.objective.schedule
+        return self.engine.train(batch, s.mini_batches_per_step, s.ppo_epochs, self._loss_fn, CRITIC_METRICS, "critic")
 
     def _loss_fn(self, mini: TrainBatch, denominators: dict):
+        clip = self.objective.loss.clip
+
         def loss_fn(output, inp: ModelInput):
             f = response_fields(mini, inp, ["values", "returns"], output.device)
             values = inp.responses(inp.full_row(output[..., 0]))
-            loss, m = value_loss(values, f["values"], f["returns"], f["mask"], self.algo.value_clip, **denominators)
+            loss, m = value_loss(values, f["values"], f["returns"], f["mask"], clip, **denominators)
             n = float(f["mask"].sum())
             entry = {"critic/vf_loss": (float(loss), 1.0), "critic/tokens": (n, 1.0)}
             entry.update({f"critic/{k}": (float(m[k]) * n, n) for k in ("vf_clipfrac", "vpred_mean")})
@@ -94,7 +96,7 @@ def build_critic_worker(
     hf_dir: str,
     topo,
     role_cfg: RoleConfig,
-    algo: AlgorithmConfig,
+    objective: ValueObjective,
     dtype: str = "fp32",
     total_steps: int = 1,
     vocab_divisible_by: int = 128,
@@ -127,4 +129,4 @@ def build_critic_worker(
             chunks, arch, topo, hf_dir, only=lambda name: not name.startswith("output_layer"), check_complete=False
         ),
     )
-    return CriticWorker(engine, algo)
+    return CriticWorker(engine, objective)

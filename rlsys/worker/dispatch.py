@@ -19,7 +19,7 @@ def dp_shards(lengths: Sequence[int], dp: int, mini_batches: int = 1) -> list[li
     n = len(lengths)
     if n % mini_batches or (n // mini_batches) % dp:
         raise ValueError(
-            f"{n} samples cannot be split into algorithm.mini_batches_per_step={mini_batches} mini-batches of "
+            f"{n} samples cannot be split into algorithm.schedule.mini_batches_per_step={mini_batches} mini-batches of "
             f"equal size divisible by the data-parallel size {dp}: make data.prompts_per_step * "
             "rollout.sampling.n a multiple of mini_batches_per_step * dp"
         )

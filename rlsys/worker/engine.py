@@ -291,7 +291,7 @@ class MegatronEngine:
         if len(batch) < mini_batches:
             raise ValueError(
                 f"this data-parallel rank holds {len(batch)} samples, fewer than "
-                f"algorithm.mini_batches_per_step={mini_batches}"
+                f"algorithm.schedule.mini_batches_per_step={mini_batches}"
             )
         bounds = [round(i * len(batch) / mini_batches) for i in range(mini_batches + 1)]
         steps = []

@@ -1,14 +1,24 @@
 """Config loading: every example config, overrides, round trip, and a table of bad configs."""
 
+import dataclasses
 import glob
 import json
 import os
 
 import pytest
 
-from rlsys.config import RunConfig, config_to_dict, dump_yaml, load_config
+from rlsys.config import (
+    MOVED_KEYS,
+    PolicyObjective,
+    RunConfig,
+    ValueObjective,
+    config_to_dict,
+    dump_yaml,
+    load_config,
+)
 from rlsys.errors import ConfigError, UserError
 from rlsys.plan import build_plan, model_arch, render_plan
+from rlsys.typed_yaml import apply_override
 
 CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "*.yaml")))
 
@@ -150,7 +160,7 @@ BAD = [
     ("bad enum", ["algorithm.name=grpoo"], "'grpoo' is not allowed; expected one of 'grpo', 'ppo'"),
     ("bad dtype", ["model.dtype=float16"], "model.dtype"),
     ("negative lr", ["actor.optimizer.lr=-1"], "actor.optimizer.lr': -1.0 is invalid: must be >= 0"),
-    ("negative clip", ["algorithm.clip_low=-0.1"], "algorithm.clip_low"),
+    ("negative clip", ["algorithm.loss.clip_low=-0.1"], "algorithm.loss.clip_low': -0.1 is invalid"),
     ("zero tp", ["actor.parallel.tp=0"], "actor.parallel.tp': 0 is invalid: must be >= 1"),
     ("actor off", ["actor.enabled=false"], "the actor is always on"),
     ("ppo without critic", ["algorithm.name=ppo"], "needs a critic"),
@@ -172,12 +182,19 @@ BAD = [
     ),
     (
         "overlong buffer",
-        ["algorithm.overlong.enabled=true", "algorithm.overlong.buffer_length=99999"],
+        ["algorithm.filters.overlong.enabled=true", "algorithm.filters.overlong.buffer_length=99999"],
         "max_new_tokens",
     ),
-    ("dynamic rounds", ["algorithm.dynamic_sampling.max_rounds=0"], "algorithm.dynamic_sampling.max_rounds"),
+    (
+        "dynamic rounds",
+        ["algorithm.filters.dynamic_sampling.max_rounds=0"],
+        "algorithm.filters.dynamic_sampling.max_rounds",
+    ),
+    ("critic warmup without critic", ["algorithm.schedule.critic_warmup_steps=2"], "needs critic.enabled: true"),
+    ("value clip", ["algorithm.value_loss.clip=0"], "algorithm.value_loss.clip': 0.0 is invalid"),
+    ("mini batches vs samples", ["algorithm.schedule.mini_batches_per_step=7"], "must divide the samples per step"),
     ("grpo with n=1", ["rollout.sampling.n=1"], "needs n >= 2"),
-    ("kl without ref", ["ref.enabled=false"], "needs the reference model"),
+    ("kl without ref", ["ref.enabled=false"], "algorithm.kl.coef > 0 needs the reference model"),
     ("broadcast into a colocated gpu engine", ["rollout.sync.transport=broadcast"], "NCCL refuses a group with two"),
     ("tensor to attached engines", ["rollout.sync.transport=tensor", "rollout.urls=[http://h:1]"], "rollout.urls"),
     (
@@ -275,3 +292,60 @@ def test_path_and_hf_config_are_exclusive(tmp_path):
     path.write_text("model:\n  path: /some/ckpt\n  hf_config: {model_type: qwen2}\n")
     with pytest.raises(ConfigError, match="exactly one of model.path and model.hf_config"):
         load_config(str(path))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_example_config_uses_current_keys(path):
+    # without the planner (test_example_config_loads_plans_and_renders): load_config refuses moved keys
+    assert isinstance(load_config(path).algorithm.loss.clip_low, float)
+
+
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        ("algorithm.clip_low=0.1", "algorithm.loss.clip_low"),
+        ("algorithm.kl_coef=0", "algorithm.kl.coef"),
+        ("algorithm.loss_agg_mode=token-mean", "algorithm.loss.agg_mode"),
+        ("algorithm.norm_adv_by_std=false", "algorithm.advantage.norm_by_std"),
+        ("algorithm.value_clip=null", "algorithm.value_loss.clip"),
+        ("algorithm.mini_batches_per_step=2", "algorithm.schedule.mini_batches_per_step"),
+        ("algorithm.dynamic_sampling.enabled=true", "algorithm.filters.dynamic_sampling.enabled"),
+        ("algorithm.overlong={enabled: true}", "algorithm.filters.overlong"),
+    ],
+)
+def test_moved_key_as_override_names_the_new_key(old, new):
+    key = old.partition("=")[0]
+    with pytest.raises(ConfigError, match=f"{key} moved to {new}; rename it in your config") as err:
+        load_config(None, [old])
+    assert err.value.path == key
+
+
+def test_moved_keys_in_yaml_file_name_the_new_keys(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("algorithm:\n  name: grpo\n  clip_low: 0.2\n  kl_coef: 0.0\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    # every moved key of the section at once, so an old config is fixed in one pass
+    assert str(err.value).endswith(
+        "algorithm.clip_low moved to algorithm.loss.clip_low, algorithm.kl_coef moved to algorithm.kl.coef; "
+        "rename them in your config"
+    )
+    path.write_text("algorithm:\n  dynamic_sampling:\n    enabled: true\n")
+    with pytest.raises(ConfigError, match="algorithm.dynamic_sampling moved to algorithm.filters.dynamic_sampling"):
+        load_config(str(path))
+
+
+def test_moved_table_points_at_existing_keys():
+    # a stale MOVED_KEYS entry would send people to a key that is refused too
+    for old, new in MOVED_KEYS.items():
+        with pytest.raises(ConfigError, match="moved to"):
+            apply_override({}, f"{old}=1", RunConfig, MOVED_KEYS)
+        apply_override({}, f"{new}=1", RunConfig, MOVED_KEYS)
+
+
+def test_objectives_carry_only_their_sections():
+    a = load_config(None, ["algorithm.loss.clip_high=0.3", "algorithm.value_loss.clip=0.4"]).algorithm
+    policy, value = PolicyObjective.of(a), ValueObjective.of(a)
+    assert [f.name for f in dataclasses.fields(policy)] == ["name", "loss", "kl", "schedule"]
+    assert [f.name for f in dataclasses.fields(value)] == ["loss", "schedule"]
+    assert policy.loss.clip_high == 0.3 and value.loss.clip == 0.4 and policy.schedule == value.schedule

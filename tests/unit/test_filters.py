@@ -121,7 +121,7 @@ def test_dynamic_sampler_exhausted_error():
     with pytest.raises(DynamicSamplingExhausted, match=r"kept only 1 of 2 groups.*after 2 rounds") as err:
         sampler.take()
     assert isinstance(err.value, RuntimeError)
-    assert "algorithm.dynamic_sampling.max_rounds" in str(err.value) and "prompt batch size" in str(err.value)
+    assert "algorithm.filters.dynamic_sampling.max_rounds" in str(err.value) and "prompt batch size" in str(err.value)
     with pytest.raises(RuntimeError, match="already ran max_rounds=2 rounds"):
         sampler.add(["e", "f"], T([0.0, 1.0]), [0, 0])
 

@@ -1,31 +1,18 @@
-"""The experiment config: one dataclass tree that YAML mirrors key for key.
+"""The experiment config's schema: one dataclass tree that YAML mirrors key for key.
 
-``load_config`` reads a YAML file, applies ``key.path=value`` overrides, and
-checks every key, type and field-level rule, raising ``ConfigError`` with the
-dotted path of the offending key (the generic key and type checking is in
-``rlsys.typed_yaml``; this module is the schema and its rules). Rules that need the model architecture
-(heads vs TP, layers vs PP, ...) live in ``rlsys.plan``.
-
-Each component receives only its own section (``Reward(cfg.reward)``), so a
-section never refers to another one; the few rules that span sections are
-checked here, in ``_check_cross_section``.
+Each component receives only its own section (``RewardManager(cfg.reward)``), so a section never refers
+to another one. Loading and checking are in ``rlsys.config`` (``load_config``) and ``rlsys.config.rules``.
 """
 
 from __future__ import annotations
 
-import copy
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-import yaml
-
-from rlsys import typed_yaml
-from rlsys.errors import ConfigError
+from typing import Literal
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 Recompute = Literal["none", "selective", "full"]
 AlgorithmName = Literal["grpo", "ppo", "dapo", "gspo", "reinforce_pp", "rloo"]
+KLEstimator = Literal["k1", "k2", "k3", "k3+"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 # Used when neither model.path nor model.hf_config is given, the model-side twin
@@ -181,34 +168,138 @@ class OverlongConfig:
 
 
 @dataclass
-class AlgorithmConfig:
-    name: AlgorithmName = "grpo"
-    clip_low: float = 0.2  # ratio clip below 1 - clip_low
-    clip_high: float = 0.28  # ratio clip above 1 + clip_high (DAPO "clip-higher")
-    dual_clip: float | None = None  # dual-clip constant c > 1 for negative advantages; None = off
-    log_ratio_clip: float | None = None  # clamp log(ratio) to [-x, x] before exp (stability); None = off
-    kl_coef: float = 0.001  # weight of the KL(actor || ref) term; 0 = no KL, ref can be disabled
-    kl_estimator: Literal["k1", "k2", "k3", "k3+"] = "k3"  # Schulman's estimators; k3+ = k3 with k2 gradient
-    use_kl_loss: bool = True  # KL as a loss term (GRPO) instead of a reward penalty (PPO-style)
-    kl_target: float | None = None  # KL-in-reward only: adapt kl_coef towards this KL; None = fixed
-    kl_horizon: int = 10000  # adaptive KL controller horizon (samples)
-    entropy_coef: float = 0.0
-    loss_agg_mode: LossAggMode = "token-mean"  # how token losses are averaged into the batch loss
-    dr_grpo_norm: int | None = None  # constant of seq-mean-token-sum-norm; None = longest response of the step
+class AdvantageConfig:
+    """How the controller turns scores (and values) into advantages (rlsys.algorithms.advantages)."""
+
+    norm_by_std: bool = True  # divide group advantages by their std (GRPO); False = Dr. GRPO
+    eps: float = 1e-6  # added to the group std
     gamma: float = 1.0  # discount (ppo / reinforce_pp)
     lam: float = 1.0  # GAE lambda of the actor's advantages (ppo)
     lam_critic: float | None = None  # VAPO decoupled GAE: lambda of the critic's targets; None = lam
     lam_alpha: float | None = None  # VAPO length-adaptive lambda = 1 - 1/(alpha * length); None = fixed lam
-    norm_adv_by_std: bool = True  # divide group advantages by their std (GRPO); False = Dr. GRPO
-    adv_eps: float = 1e-6  # added to the group std
     reinforce_baseline: bool = False  # reinforce_pp: subtract the group mean first (REINFORCE++-baseline)
-    value_clip: float | None = 0.2  # ppo critic: clip of the value change; None = off
-    critic_warmup_steps: int = 0  # ppo: first steps train only the critic (VAPO value pretraining)
-    ppo_epochs: int = 1  # passes over each rollout batch
-    mini_batches_per_step: int = 1  # optimizer steps per pass; 1 = strictly on-policy
-    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+
+
+@dataclass
+class PolicyLossConfig:
+    """The actor ranks' clipped policy-gradient loss (rlsys.algorithms.policy_loss) and its entropy bonus."""
+
+    clip_low: float = 0.2  # ratio clip below 1 - clip_low
+    clip_high: float = 0.28  # ratio clip above 1 + clip_high (DAPO "clip-higher")
+    dual_clip: float | None = None  # dual-clip constant c > 1 for negative advantages; None = off
+    log_ratio_clip: float | None = None  # clamp log(ratio) to [-x, x] before exp (stability); None = off
+    entropy_coef: float = 0.0
+    agg_mode: LossAggMode = "token-mean"  # how token losses are averaged into the batch loss
+    dr_grpo_norm: int | None = None  # constant of seq-mean-token-sum-norm; None = longest response of the step
+
+
+@dataclass
+class ValueLossConfig:
+    """The critic ranks' value regression (rlsys.algorithms.value_loss)."""
+
+    clip: float | None = 0.2  # ppo critic: clip of the value change; None = off
+
+
+@dataclass
+class KLConfig:
+    """The KL(actor || ref) term: a loss on the actor ranks or a reward penalty in the controller."""
+
+    coef: float = 0.001  # weight of the KL(actor || ref) term; 0 = no KL, ref can be disabled
+    estimator: KLEstimator = "k3"  # Schulman's estimators; k3+ = k3 with k2 gradient
+    use_loss: bool = True  # KL as a loss term (GRPO) instead of a reward penalty (PPO-style)
+    target: float | None = None  # KL-in-reward only: adapt coef towards this KL; None = fixed
+    horizon: int = 10000  # adaptive KL controller horizon (samples)
+
+
+@dataclass
+class FiltersConfig:
+    """DAPO's rollout-stage filters and reward shaping (rlsys.algorithms.filters)."""
+
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
+
+
+@dataclass
+class ScheduleConfig:
+    """How the actor and critic ranks step on each rollout batch, and when the controller lets the actor start."""
+
+    ppo_epochs: int = 1  # passes over each rollout batch
+    mini_batches_per_step: int = 1  # optimizer steps per pass; 1 = strictly on-policy
+    critic_warmup_steps: int = 0  # ppo: first steps train only the critic (VAPO value pretraining)
+
+
+@dataclass
+class AlgorithmConfig:
+    """The RL algorithm, one section per consumer: the controller's advantage stage (``advantage``, ``kl``,
+    ``mismatch``), the rollout stage (``filters``), the actor ranks (``PolicyObjective``: ``loss``, ``kl``,
+    ``schedule``) and the critic ranks (``ValueObjective``: ``value_loss``, ``schedule``)."""
+
+    name: AlgorithmName = "grpo"
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    value_loss: ValueLossConfig = field(default_factory=ValueLossConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+    filters: FiltersConfig = field(default_factory=FiltersConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+
+@dataclass(frozen=True)
+class PolicyObjective:
+    """What the actor ranks optimize, cut from ``AlgorithmConfig`` so they never see the rollout's or the
+    controller's settings. ``kl`` is read for ``coef``, ``estimator`` and ``use_loss`` only."""
+
+    name: AlgorithmName = "grpo"
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+    @classmethod
+    def of(cls, algo: AlgorithmConfig) -> PolicyObjective:
+        return cls(algo.name, algo.loss, algo.kl, algo.schedule)
+
+
+@dataclass(frozen=True)
+class ValueObjective:
+    """What the critic ranks optimize, cut from ``AlgorithmConfig``."""
+
+    loss: ValueLossConfig = field(default_factory=ValueLossConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+    @classmethod
+    def of(cls, algo: AlgorithmConfig) -> ValueObjective:
+        return cls(algo.value_loss, algo.schedule)
+
+
+# Keys moved when AlgorithmConfig was split by consumer (a moved section covers the keys below it). An old
+# config is refused, naming the new key, rather than migrated: what a config file says is what runs.
+MOVED_KEYS = {
+    "algorithm.norm_adv_by_std": "algorithm.advantage.norm_by_std",
+    "algorithm.adv_eps": "algorithm.advantage.eps",
+    "algorithm.gamma": "algorithm.advantage.gamma",
+    "algorithm.lam": "algorithm.advantage.lam",
+    "algorithm.lam_critic": "algorithm.advantage.lam_critic",
+    "algorithm.lam_alpha": "algorithm.advantage.lam_alpha",
+    "algorithm.reinforce_baseline": "algorithm.advantage.reinforce_baseline",
+    "algorithm.clip_low": "algorithm.loss.clip_low",
+    "algorithm.clip_high": "algorithm.loss.clip_high",
+    "algorithm.dual_clip": "algorithm.loss.dual_clip",
+    "algorithm.log_ratio_clip": "algorithm.loss.log_ratio_clip",
+    "algorithm.entropy_coef": "algorithm.loss.entropy_coef",
+    "algorithm.loss_agg_mode": "algorithm.loss.agg_mode",
+    "algorithm.dr_grpo_norm": "algorithm.loss.dr_grpo_norm",
+    "algorithm.value_clip": "algorithm.value_loss.clip",
+    "algorithm.kl_coef": "algorithm.kl.coef",
+    "algorithm.kl_estimator": "algorithm.kl.estimator",
+    "algorithm.use_kl_loss": "algorithm.kl.use_loss",
+    "algorithm.kl_target": "algorithm.kl.target",
+    "algorithm.kl_horizon": "algorithm.kl.horizon",
+    "algorithm.dynamic_sampling": "algorithm.filters.dynamic_sampling",
+    "algorithm.overlong": "algorithm.filters.overlong",
+    "algorithm.ppo_epochs": "algorithm.schedule.ppo_epochs",
+    "algorithm.mini_batches_per_step": "algorithm.schedule.mini_batches_per_step",
+    "algorithm.critic_warmup_steps": "algorithm.schedule.critic_warmup_steps",
+}
 
 
 @dataclass
@@ -295,192 +386,3 @@ class RunConfig:
 
 
 ROLES = ("actor", "critic", "ref")
-
-
-def config_to_dict(cfg: Any) -> dict:
-    """The plain-dict form of a config (or of any section), in field order."""
-    return typed_yaml.to_dict(cfg)
-
-
-def dump_yaml(cfg: RunConfig) -> str:
-    """The resolved config as YAML; ``load_config`` of it gives back an equal config."""
-    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
-
-
-def load_config(path: str | None, overrides: typing.Sequence[str] = ()) -> RunConfig:
-    """Load, override and check a config; ``path=None`` starts from the defaults.
-
-    Raises ``UserError`` for an unreadable or malformed file and ``ConfigError``
-    (with the dotted key path) for unknown keys, wrong types and broken rules.
-    """
-    raw = typed_yaml.read_yaml_file(path) if path is not None else {}
-    for override in overrides:
-        typed_yaml.apply_override(raw, override, RunConfig)
-    cfg = typed_yaml.merge(RunConfig(), raw, RunConfig, "")
-    if cfg.model.path is None and cfg.model.hf_config is None:
-        cfg.model.hf_config = copy.deepcopy(TINY_HF_CONFIG)
-    check_fields(cfg)
-    return cfg
-
-
-# ---------------------------------------------------------- field-level rules
-
-
-def _need(ok: bool, path: str, value: Any, rule: str) -> None:
-    if not ok:
-        raise ConfigError(path, f"{value!r} is invalid: {rule}")
-
-
-def _positive(section: Any, prefix: str, *names: str) -> None:
-    for name in names:
-        value = getattr(section, name)
-        _need(value is None or value >= 1, f"{prefix}.{name}", value, "must be >= 1")
-
-
-def check_fields(cfg: RunConfig) -> None:
-    """Rules on single fields and between sections; no model needed."""
-    if cfg.model.path is not None and cfg.model.hf_config is not None:
-        raise ConfigError("model", "set exactly one of model.path and model.hf_config, not both")
-    _positive(cfg.model, "model", "make_vocab_size_divisible_by")
-    _need(cfg.actor.enabled, "actor.enabled", False, "the actor is always on")
-    for role in ROLES:
-        _check_role(getattr(cfg, role), role)
-    _check_rollout(cfg.rollout)
-    _check_algorithm(cfg.algorithm)
-    _positive(cfg.data, "data", "max_prompt_len", "prompts_per_step")
-    _need(cfg.reward.name.strip() != "", "reward.name", cfg.reward.name, "must name a reward function")
-    _need(cfg.reward.timeout_s > 0, "reward.timeout_s", cfg.reward.timeout_s, "must be > 0")
-    _positive(cfg.reward, "reward", "num_workers")
-    t = cfg.trainer
-    _positive(t, "trainer", "steps")
-    _need(t.save_every >= 0, "trainer.save_every", t.save_every, "must be >= 0 (0 = save only at the end)")
-    _need(t.keep_last >= 0, "trainer.keep_last", t.keep_last, "must be >= 0 (0 = keep all)")
-    _positive(cfg.cluster, "cluster", "nodes", "devices_per_node")
-    _positive(cfg.logging, "logging", "log_every")
-    _check_cross_section(cfg)
-
-
-def _check_role(role: RoleConfig, name: str) -> None:
-    _positive(role, name, "world_size")
-    parallel = ("tp", "pp", "cp", "ep", "etp", "vpp", "first_stage_layers", "last_stage_layers")
-    _positive(role.parallel, f"{name}.parallel", *parallel)
-    _positive(role.batch, f"{name}.batch", "micro_batch_size", "max_tokens_per_microbatch")
-    o, p = role.optimizer, f"{name}.optimizer"
-    _need(o.lr >= 0, f"{p}.lr", o.lr, "must be >= 0")
-    _need(0 <= o.min_lr <= o.lr, f"{p}.min_lr", o.min_lr, f"must be in [0, lr={o.lr}]")
-    _need(o.weight_decay >= 0, f"{p}.weight_decay", o.weight_decay, "must be >= 0")
-    for beta in ("adam_beta1", "adam_beta2"):
-        _need(0 <= getattr(o, beta) < 1, f"{p}.{beta}", getattr(o, beta), "must be in [0, 1)")
-    _need(o.adam_eps > 0, f"{p}.adam_eps", o.adam_eps, "must be > 0")
-    _need(o.clip_grad >= 0, f"{p}.clip_grad", o.clip_grad, "must be >= 0 (0 disables clipping)")
-    _need(o.lr_warmup_steps >= 0, f"{p}.lr_warmup_steps", o.lr_warmup_steps, "must be >= 0")
-    _need(
-        o.name == "adam" or not o.use_distributed_optimizer,
-        f"{p}.use_distributed_optimizer",
-        True,
-        f"megatron's distributed optimizer only supports adam; set {p}.use_distributed_optimizer=false for sgd",
-    )
-
-
-def _check_rollout(r: RolloutConfig) -> None:
-    _positive(r, "rollout", "tp", "num_engines")
-    _need(0 < r.mem_fraction <= 1, "rollout.mem_fraction", r.mem_fraction, "must be in (0, 1]")
-    s = r.sampling
-    _positive(s, "rollout.sampling", "n", "max_new_tokens")
-    _need(s.temperature >= 0, "rollout.sampling.temperature", s.temperature, "must be >= 0")
-    _need(0 < s.top_p <= 1, "rollout.sampling.top_p", s.top_p, "must be in (0, 1]")
-    _need(s.top_k == -1 or s.top_k >= 1, "rollout.sampling.top_k", s.top_k, "must be -1 (off) or >= 1")
-    _need(r.sync.bucket_mb > 0, "rollout.sync.bucket_mb", r.sync.bucket_mb, "must be > 0")
-    _need(r.sync.timeout_s > 0, "rollout.sync.timeout_s", r.sync.timeout_s, "must be > 0")
-
-
-def _check_algorithm(a: AlgorithmConfig) -> None:
-    _need(a.clip_low >= 0, "algorithm.clip_low", a.clip_low, "must be >= 0")
-    _need(a.clip_high >= 0, "algorithm.clip_high", a.clip_high, "must be >= 0")
-    _need(a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip", a.dual_clip, "must be > 1 (or null)")
-    _need(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "must be >= 0")
-    _need(a.entropy_coef >= 0, "algorithm.entropy_coef", a.entropy_coef, "must be >= 0")
-    _need(0 <= a.gamma <= 1, "algorithm.gamma", a.gamma, "must be in [0, 1]")
-    _need(0 <= a.lam <= 1, "algorithm.lam", a.lam, "must be in [0, 1]")
-    _positive(a, "algorithm", "ppo_epochs", "mini_batches_per_step")
-    _need(a.log_ratio_clip is None or a.log_ratio_clip > 0, "algorithm.log_ratio_clip", a.log_ratio_clip, "must be > 0")
-    _need(a.kl_target is None or a.kl_target > 0, "algorithm.kl_target", a.kl_target, "must be > 0 (or null)")
-    _need(a.kl_horizon > 0, "algorithm.kl_horizon", a.kl_horizon, "must be > 0")
-    _need(a.dr_grpo_norm is None or a.dr_grpo_norm > 0, "algorithm.dr_grpo_norm", a.dr_grpo_norm, "must be > 0")
-    _need(a.lam_critic is None or 0 <= a.lam_critic <= 1, "algorithm.lam_critic", a.lam_critic, "must be in [0, 1]")
-    _need(a.lam_alpha is None or a.lam_alpha > 0, "algorithm.lam_alpha", a.lam_alpha, "must be > 0 (or null)")
-    _need(a.adv_eps >= 0, "algorithm.adv_eps", a.adv_eps, "must be >= 0")
-    _need(a.value_clip is None or a.value_clip > 0, "algorithm.value_clip", a.value_clip, "must be > 0 (or null)")
-    _need(a.critic_warmup_steps >= 0, "algorithm.critic_warmup_steps", a.critic_warmup_steps, "must be >= 0")
-    m = a.mismatch
-    _need(m.cap > 0, "algorithm.mismatch.cap", m.cap, "must be > 0")
-    _need(
-        m.lower is None or (m.mode == "mis" and 0 < m.lower < m.cap),
-        "algorithm.mismatch.lower",
-        m.lower,
-        "only applies to mode 'mis' and must be in (0, cap)",
-    )
-    _need(
-        a.dynamic_sampling.max_rounds >= 1,
-        "algorithm.dynamic_sampling.max_rounds",
-        a.dynamic_sampling.max_rounds,
-        "must be >= 1",
-    )
-    o = a.overlong
-    _need(o.buffer_length > 0, "algorithm.overlong.buffer_length", o.buffer_length, "must be > 0")
-
-
-# Algorithms whose advantage compares the samples of one prompt with each other.
-GROUP_ALGORITHMS = ("grpo", "dapo", "gspo", "rloo")
-
-
-def _check_cross_section(cfg: RunConfig) -> None:
-    a = cfg.algorithm
-    for role in ("actor", "critic", "ref"):
-        _need(
-            not (cfg.cluster.device == "cpu" and getattr(cfg, role).parallel.sequence_parallel),
-            f"{role}.parallel.sequence_parallel",
-            True,
-            "needs transformer-engine's norms (GPU); megatron's torch norms do not support it, set it to false on cpu",
-        )
-    if a.overlong.enabled:
-        _need(
-            a.overlong.buffer_length <= cfg.rollout.sampling.max_new_tokens,
-            "algorithm.overlong.buffer_length",
-            a.overlong.buffer_length,
-            f"must be <= rollout.sampling.max_new_tokens ({cfg.rollout.sampling.max_new_tokens})",
-        )
-    if a.name == "ppo":
-        _need(cfg.critic.enabled, "critic.enabled", False, "algorithm 'ppo' needs a critic (GAE)")
-    if a.critic_warmup_steps:
-        _need(cfg.critic.enabled, "algorithm.critic_warmup_steps", a.critic_warmup_steps, "needs critic.enabled: true")
-    if cfg.rollout.release_memory is True:
-        _need(
-            cfg.cluster.colocate and not cfg.rollout.urls,
-            "rollout.release_memory",
-            True,
-            "only for engines rlsys launches on the training devices (cluster.colocate: true, no rollout.urls)",
-        )
-    if a.name in GROUP_ALGORITHMS:
-        n = cfg.rollout.sampling.n
-        _need(n >= 2, "rollout.sampling.n", n, f"'{a.name}' compares samples of one prompt: needs n >= 2")
-    if a.kl_coef > 0:
-        _need(
-            cfg.ref.enabled, "ref.enabled", False, "algorithm.kl_coef > 0 needs the reference model (or set kl_coef: 0)"
-        )
-    samples = cfg.data.prompts_per_step * cfg.rollout.sampling.n
-    _need(
-        samples % a.mini_batches_per_step == 0,
-        "algorithm.mini_batches_per_step",
-        a.mini_batches_per_step,
-        f"must divide the samples per step (data.prompts_per_step * rollout.sampling.n = {samples})",
-    )
-    seq = cfg.data.max_prompt_len + cfg.rollout.sampling.max_new_tokens
-    for role in ROLES:
-        budget = getattr(cfg, role).batch.max_tokens_per_microbatch
-        _need(
-            budget is None or budget >= seq,
-            f"{role}.batch.max_tokens_per_microbatch",
-            budget,
-            f"a micro batch must hold one whole sequence (data.max_prompt_len + sampling.max_new_tokens = {seq})",
-        )

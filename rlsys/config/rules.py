@@ -1,0 +1,183 @@
+"""Field-level config rules: single fields, and the few rules that span sections; no model needed.
+
+``check_fields`` runs inside ``load_config``; rules that need the model architecture or the cluster live in
+``rlsys.plan``. Every failure is a ``ConfigError`` naming the dotted key and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlsys.config.schema import ROLES, AlgorithmConfig, RoleConfig, RolloutConfig, RunConfig
+from rlsys.errors import ConfigError
+
+
+def _need(ok: bool, path: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(path, f"{value!r} is invalid: {rule}")
+
+
+def _positive(section: Any, prefix: str, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        _need(value is None or value >= 1, f"{prefix}.{name}", value, "must be >= 1")
+
+
+def check_fields(cfg: RunConfig) -> None:
+    """Rules on single fields and between sections; no model needed."""
+    if cfg.model.path is not None and cfg.model.hf_config is not None:
+        raise ConfigError("model", "set exactly one of model.path and model.hf_config, not both")
+    _positive(cfg.model, "model", "make_vocab_size_divisible_by")
+    _need(cfg.actor.enabled, "actor.enabled", False, "the actor is always on")
+    for role in ROLES:
+        _check_role(getattr(cfg, role), role)
+    _check_rollout(cfg.rollout)
+    _check_algorithm(cfg.algorithm)
+    _positive(cfg.data, "data", "max_prompt_len", "prompts_per_step")
+    _need(cfg.reward.name.strip() != "", "reward.name", cfg.reward.name, "must name a reward function")
+    _need(cfg.reward.timeout_s > 0, "reward.timeout_s", cfg.reward.timeout_s, "must be > 0")
+    _positive(cfg.reward, "reward", "num_workers")
+    t = cfg.trainer
+    _positive(t, "trainer", "steps")
+    _need(t.save_every >= 0, "trainer.save_every", t.save_every, "must be >= 0 (0 = save only at the end)")
+    _need(t.keep_last >= 0, "trainer.keep_last", t.keep_last, "must be >= 0 (0 = keep all)")
+    _positive(cfg.cluster, "cluster", "nodes", "devices_per_node")
+    _positive(cfg.logging, "logging", "log_every")
+    _check_cross_section(cfg)
+
+
+def _check_role(role: RoleConfig, name: str) -> None:
+    _positive(role, name, "world_size")
+    parallel = ("tp", "pp", "cp", "ep", "etp", "vpp", "first_stage_layers", "last_stage_layers")
+    _positive(role.parallel, f"{name}.parallel", *parallel)
+    _positive(role.batch, f"{name}.batch", "micro_batch_size", "max_tokens_per_microbatch")
+    o, p = role.optimizer, f"{name}.optimizer"
+    _need(o.lr >= 0, f"{p}.lr", o.lr, "must be >= 0")
+    _need(0 <= o.min_lr <= o.lr, f"{p}.min_lr", o.min_lr, f"must be in [0, lr={o.lr}]")
+    _need(o.weight_decay >= 0, f"{p}.weight_decay", o.weight_decay, "must be >= 0")
+    for beta in ("adam_beta1", "adam_beta2"):
+        _need(0 <= getattr(o, beta) < 1, f"{p}.{beta}", getattr(o, beta), "must be in [0, 1)")
+    _need(o.adam_eps > 0, f"{p}.adam_eps", o.adam_eps, "must be > 0")
+    _need(o.clip_grad >= 0, f"{p}.clip_grad", o.clip_grad, "must be >= 0 (0 disables clipping)")
+    _need(o.lr_warmup_steps >= 0, f"{p}.lr_warmup_steps", o.lr_warmup_steps, "must be >= 0")
+    _need(
+        o.name == "adam" or not o.use_distributed_optimizer,
+        f"{p}.use_distributed_optimizer",
+        True,
+        f"megatron's distributed optimizer only supports adam; set {p}.use_distributed_optimizer=false for sgd",
+    )
+
+
+def _check_rollout(r: RolloutConfig) -> None:
+    _positive(r, "rollout", "tp", "num_engines")
+    _need(0 < r.mem_fraction <= 1, "rollout.mem_fraction", r.mem_fraction, "must be in (0, 1]")
+    s = r.sampling
+    _positive(s, "rollout.sampling", "n", "max_new_tokens")
+    _need(s.temperature >= 0, "rollout.sampling.temperature", s.temperature, "must be >= 0")
+    _need(0 < s.top_p <= 1, "rollout.sampling.top_p", s.top_p, "must be in (0, 1]")
+    _need(s.top_k == -1 or s.top_k >= 1, "rollout.sampling.top_k", s.top_k, "must be -1 (off) or >= 1")
+    _need(r.sync.bucket_mb > 0, "rollout.sync.bucket_mb", r.sync.bucket_mb, "must be > 0")
+    _need(r.sync.timeout_s > 0, "rollout.sync.timeout_s", r.sync.timeout_s, "must be > 0")
+
+
+def _check_algorithm(a: AlgorithmConfig) -> None:
+    v = a.advantage
+    _need(0 <= v.gamma <= 1, "algorithm.advantage.gamma", v.gamma, "must be in [0, 1]")
+    _need(0 <= v.lam <= 1, "algorithm.advantage.lam", v.lam, "must be in [0, 1]")
+    _need(
+        v.lam_critic is None or 0 <= v.lam_critic <= 1,
+        "algorithm.advantage.lam_critic",
+        v.lam_critic,
+        "must be in [0, 1]",
+    )
+    _need(v.lam_alpha is None or v.lam_alpha > 0, "algorithm.advantage.lam_alpha", v.lam_alpha, "must be > 0 (or null)")
+    _need(v.eps >= 0, "algorithm.advantage.eps", v.eps, "must be >= 0")
+    lo, p = a.loss, "algorithm.loss"
+    _need(lo.clip_low >= 0, f"{p}.clip_low", lo.clip_low, "must be >= 0")
+    _need(lo.clip_high >= 0, f"{p}.clip_high", lo.clip_high, "must be >= 0")
+    _need(lo.dual_clip is None or lo.dual_clip > 1, f"{p}.dual_clip", lo.dual_clip, "must be > 1 (or null)")
+    _need(lo.log_ratio_clip is None or lo.log_ratio_clip > 0, f"{p}.log_ratio_clip", lo.log_ratio_clip, "must be > 0")
+    _need(lo.entropy_coef >= 0, f"{p}.entropy_coef", lo.entropy_coef, "must be >= 0")
+    _need(lo.dr_grpo_norm is None or lo.dr_grpo_norm > 0, f"{p}.dr_grpo_norm", lo.dr_grpo_norm, "must be > 0")
+    c = a.value_loss.clip
+    _need(c is None or c > 0, "algorithm.value_loss.clip", c, "must be > 0 (or null)")
+    k = a.kl
+    _need(k.coef >= 0, "algorithm.kl.coef", k.coef, "must be >= 0")
+    _need(k.target is None or k.target > 0, "algorithm.kl.target", k.target, "must be > 0 (or null)")
+    _need(k.horizon > 0, "algorithm.kl.horizon", k.horizon, "must be > 0")
+    m = a.mismatch
+    _need(m.cap > 0, "algorithm.mismatch.cap", m.cap, "must be > 0")
+    _need(
+        m.lower is None or (m.mode == "mis" and 0 < m.lower < m.cap),
+        "algorithm.mismatch.lower",
+        m.lower,
+        "only applies to mode 'mis' and must be in (0, cap)",
+    )
+    ds, o = a.filters.dynamic_sampling, a.filters.overlong
+    _need(ds.max_rounds >= 1, "algorithm.filters.dynamic_sampling.max_rounds", ds.max_rounds, "must be >= 1")
+    _need(o.buffer_length > 0, "algorithm.filters.overlong.buffer_length", o.buffer_length, "must be > 0")
+    s = a.schedule
+    _positive(s, "algorithm.schedule", "ppo_epochs", "mini_batches_per_step")
+    _need(s.critic_warmup_steps >= 0, "algorithm.schedule.critic_warmup_steps", s.critic_warmup_steps, "must be >= 0")
+
+
+# Algorithms whose advantage compares the samples of one prompt with each other.
+GROUP_ALGORITHMS = ("grpo", "dapo", "gspo", "rloo")
+
+
+def _check_cross_section(cfg: RunConfig) -> None:
+    a = cfg.algorithm
+    for role in ("actor", "critic", "ref"):
+        _need(
+            not (cfg.cluster.device == "cpu" and getattr(cfg, role).parallel.sequence_parallel),
+            f"{role}.parallel.sequence_parallel",
+            True,
+            "needs transformer-engine's norms (GPU); megatron's torch norms do not support it, set it to false on cpu",
+        )
+    overlong = a.filters.overlong
+    if overlong.enabled:
+        _need(
+            overlong.buffer_length <= cfg.rollout.sampling.max_new_tokens,
+            "algorithm.filters.overlong.buffer_length",
+            overlong.buffer_length,
+            f"must be <= rollout.sampling.max_new_tokens ({cfg.rollout.sampling.max_new_tokens})",
+        )
+    if a.name == "ppo":
+        _need(cfg.critic.enabled, "critic.enabled", False, "algorithm 'ppo' needs a critic (GAE)")
+    warmup = a.schedule.critic_warmup_steps
+    if warmup:
+        _need(cfg.critic.enabled, "algorithm.schedule.critic_warmup_steps", warmup, "needs critic.enabled: true")
+    if cfg.rollout.release_memory is True:
+        _need(
+            cfg.cluster.colocate and not cfg.rollout.urls,
+            "rollout.release_memory",
+            True,
+            "only for engines rlsys launches on the training devices (cluster.colocate: true, no rollout.urls)",
+        )
+    if a.name in GROUP_ALGORITHMS:
+        n = cfg.rollout.sampling.n
+        _need(n >= 2, "rollout.sampling.n", n, f"'{a.name}' compares samples of one prompt: needs n >= 2")
+    if a.kl.coef > 0:
+        _need(
+            cfg.ref.enabled,
+            "ref.enabled",
+            False,
+            "algorithm.kl.coef > 0 needs the reference model (or set algorithm.kl.coef: 0)",
+        )
+    samples = cfg.data.prompts_per_step * cfg.rollout.sampling.n
+    mini_batches = a.schedule.mini_batches_per_step
+    _need(
+        samples % mini_batches == 0,
+        "algorithm.schedule.mini_batches_per_step",
+        mini_batches,
+        f"must divide the samples per step (data.prompts_per_step * rollout.sampling.n = {samples})",
+    )
+    seq = cfg.data.max_prompt_len + cfg.rollout.sampling.max_new_tokens
+    for role in ROLES:
+        budget = getattr(cfg, role).batch.max_tokens_per_microbatch
+        _need(
+            budget is None or budget >= seq,
+            f"{role}.batch.max_tokens_per_microbatch",
+            budget,
+            f"a micro batch must hold one whole sequence (data.max_prompt_len + sampling.max_new_tokens = {seq})",
+        )
