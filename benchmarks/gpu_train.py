@@ -176,7 +176,7 @@ def run(args) -> dict:
     from fixtures import random_train_batch
 
     from rlsys.architectures.hf_config import arch_from_dict
-    from rlsys.config import AlgorithmConfig, RoleConfig
+    from rlsys.config import ParallelConfig, PolicyObjective, RoleConfig
     from rlsys.megatron.model import padded_vocab_size
     from rlsys.megatron.topology import build_topology
     from rlsys.worker.actor import PolicyWorker
@@ -192,7 +192,7 @@ def run(args) -> dict:
     measured_peak = measure_matmul_peak(device, dtype, mm_n)
     log(f"{args.dtype} matmul {mm_n}^3: {_si(measured_peak)}FLOP/s")
 
-    topo = build_topology(device=args.device, seed=args.seed)
+    topo = build_topology(ParallelConfig(), device=args.device, seed=args.seed)
     hf = dict(TINY if args.tiny else QWEN2_1B)
     if args.layers:
         hf["num_hidden_layers"] = args.layers
@@ -220,7 +220,7 @@ def run(args) -> dict:
     spec = "te" if _te_spec(engine) else "local"
     role.batch.max_tokens_per_microbatch = args.max_tokens or (128 if args.tiny else 8192 if spec == "te" else 4096)
     params = sum(p.numel() for chunk in engine.chunks for p in chunk.parameters())
-    worker = PolicyWorker(engine, AlgorithmConfig(), temperature=1.0)
+    worker = PolicyWorker(engine, PolicyObjective(), temperature=1.0)
 
     batch = random_train_batch(arch.vocab_size, args.samples, args.seed, args.min_len, args.max_len)
     t0 = time.perf_counter()

@@ -77,6 +77,7 @@ def _rank(rank, world, port, hf_dir, variant, out_dir):
 
     from rlsys.architectures.hf_checkpoint import HFCheckpoint
     from rlsys.architectures.hf_config import read_arch
+    from rlsys.config import ParallelConfig
     from rlsys.local_ranks import set_rank_env
     from rlsys.megatron.load import load_hf_weights
     from rlsys.megatron.model import build_model
@@ -86,7 +87,7 @@ def _rank(rank, world, port, hf_dir, variant, out_dir):
     torch.set_num_threads(1)
     init_distributed("cpu")
     arch = read_arch(hf_dir)
-    topo = build_topology(tp=world, device="cpu")
+    topo = build_topology(ParallelConfig(tp=world), device="cpu")
     chunks, _ = build_model(arch, topo)
     read_bytes = [0]
     original_read = HFCheckpoint.read

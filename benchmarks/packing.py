@@ -56,6 +56,7 @@ def _rank(hf_dir: str, lengths: list[int], args, out_path: str) -> None:
     import torch
 
     from rlsys.architectures.hf_config import read_arch
+    from rlsys.config import ParallelConfig
     from rlsys.megatron.forward import causal_mask
     from rlsys.megatron.load import load_hf_weights
     from rlsys.megatron.model import build_model
@@ -64,7 +65,7 @@ def _rank(hf_dir: str, lengths: list[int], args, out_path: str) -> None:
 
     torch.set_num_threads(args.threads)
     arch = read_arch(hf_dir)
-    topo = build_topology(device="cpu")
+    topo = build_topology(ParallelConfig(), device="cpu")
     chunks, _ = build_model(arch, topo, dtype="fp32")
     load_hf_weights(chunks, arch, topo, hf_dir)
     model = chunks[0].train()

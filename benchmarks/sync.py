@@ -300,7 +300,7 @@ def _trainer(hf_dir: str, layout: dict, url: str, dtype: str, args, work_dir: st
 
     from rlsys.architectures.hf_config import read_arch
     from rlsys.architectures.hf_writer import ShardWriter, finalize
-    from rlsys.config import RoleConfig
+    from rlsys.config import ParallelConfig, RoleConfig
     from rlsys.megatron.export import iter_hf_tensors
     from rlsys.megatron.topology import build_topology, destroy_topology
     from rlsys.rollout.client import EngineClient
@@ -310,7 +310,7 @@ def _trainer(hf_dir: str, layout: dict, url: str, dtype: str, args, work_dir: st
     rank = dist.get_rank()
     rank0 = rank == 0
     start = time.perf_counter()
-    topo = build_topology(device="cpu", **layout)
+    topo = build_topology(ParallelConfig(**layout), device="cpu")
     arch = read_arch(hf_dir)
     model = MegatronEngine(
         arch, topo, RoleConfig(), dtype=dtype, trainable=False, load=lambda chunks: _random_fill(chunks, 1000 + rank)
@@ -566,7 +566,7 @@ def main() -> int:
 
     warnings.simplefilter("ignore")
     from rlsys.local_ranks import run_on_ranks
-    from rlsys.rollout.cpu.server import launch_cpu_engine
+    from rlsys.rollout.launch import launch_cpu_engine
 
     # SIGTERM unwinds like Ctrl-C, so the engine and temp dirs go in the finally blocks below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

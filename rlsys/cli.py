@@ -54,13 +54,12 @@ def _cmd_check_parity(args) -> int:
     from rlsys.architectures.hf_config import read_arch
     from rlsys.config import ParallelConfig
     from rlsys.local_ranks import launched_by_torchrun
-    from rlsys.parity import ParityLayout, check_parity, check_parity_in_group
+    from rlsys.parity import check_parity, check_parity_in_group, parity_world_size
     from rlsys.plan import check_layout_flags
 
     arch = read_arch(args.hf)
     HFCheckpoint(args.hf)  # fail fast on a broken index before starting ranks
-    grid = dict(
-        dp=args.dp,
+    layout = ParallelConfig(
         tp=args.tp,
         pp=args.pp,
         ep=args.ep,
@@ -69,9 +68,9 @@ def _cmd_check_parity(args) -> int:
         first_stage_layers=args.first_stage_layers,
         last_stage_layers=args.last_stage_layers,
     )
-    layout = ParityLayout(**grid)
-    check_layout_flags(ParallelConfig(**{k: v for k, v in grid.items() if k != "dp"}), layout.world_size(), arch)
-    run = dict(seq_len=args.seq_len, batch=args.batch, device=args.device)
+    world = parity_world_size(layout, args.dp)
+    check_layout_flags(layout, world, arch)
+    run = dict(seq_len=args.seq_len, batch=args.batch, device=args.device, dp=args.dp)
     if launched_by_torchrun():
         diff = check_parity_in_group(args.hf, layout, **run)
         if diff is None:  # not rank 0: rank 0 reports
@@ -79,7 +78,7 @@ def _cmd_check_parity(args) -> int:
     else:
         print(
             f"check-parity: {arch.model_type} from {args.hf} at TP={layout.tp} PP={layout.pp} EP={layout.ep}"
-            f"{f' VPP={layout.vpp}' if layout.vpp else ''} on {layout.world_size()} {args.device} rank(s), "
+            f"{f' VPP={layout.vpp}' if layout.vpp else ''} on {world} {args.device} rank(s), "
             f"batch {args.batch} x {args.seq_len} tokens, fp32",
             flush=True,
         )
@@ -153,7 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rlsys.telemetry.noise import quiet_libraries
+
     args = build_parser().parse_args(argv)
+    quiet_libraries()  # RLSYS_VERBOSE=1 shows every library warning
     try:
         return args.func(args)
     except UserError as e:

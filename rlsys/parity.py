@@ -11,30 +11,20 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
 
 import torch
 
 from rlsys.architectures.hf_config import read_arch
+from rlsys.config import ParallelConfig
 from rlsys.convert.mcore_checkpoint import read_meta
 from rlsys.errors import UserError
 from rlsys.local_ranks import run_on_ranks
-from rlsys.megatron.topology import min_world_size
+from rlsys.plan import min_world_size
 
 
-@dataclass(frozen=True)
-class ParityLayout:
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int | None = None
-    vpp: int | None = None
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
-    dp: int = 1  # extra data-parallel replicas (each runs the same batch)
-
-    def world_size(self) -> int:
-        return min_world_size(self.tp, self.pp, self.ep, self.etp) * self.dp
+def parity_world_size(parallel: ParallelConfig, dp: int = 1) -> int:
+    """Ranks for ``parallel`` with ``dp`` data-parallel replicas (each runs the same batch)."""
+    return min_world_size(parallel) * dp
 
 
 def fixed_tokens(vocab_size: int, batch: int, seq_len: int, seed: int = 1234) -> torch.Tensor:
@@ -54,7 +44,7 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def megatron_logits_on_rank(
-    hf_dir: str, layout: ParityLayout, tokens: torch.Tensor, device: str = "cpu", mcore_dir: str | None = None
+    hf_dir: str, layout: ParallelConfig, tokens: torch.Tensor, device: str = "cpu", mcore_dir: str | None = None
 ):
     """Run on every rank of an initialized process group; the logits come back on one rank.
 
@@ -67,7 +57,7 @@ def megatron_logits_on_rank(
 
     arch = read_arch(hf_dir)
     meta = read_meta(mcore_dir) if mcore_dir else {}
-    topo = build_topology(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, vpp=layout.vpp, device=device)
+    topo = build_topology(layout, device=device)
     try:
         chunks, _ = build_model(
             arch,
@@ -90,43 +80,54 @@ def megatron_logits_on_rank(
     return logits.cpu() if reporter else None
 
 
-def _parity_rank(hf_dir: str, layout: ParityLayout, tokens, out_path: str, device: str, mcore_dir=None) -> None:
+def _parity_rank(hf_dir: str, layout: ParallelConfig, tokens, out_path: str, device: str, mcore_dir=None) -> None:
     logits = megatron_logits_on_rank(hf_dir, layout, tokens, device, mcore_dir)
     if logits is not None:
         torch.save(logits, out_path)
 
 
 def megatron_logits(
-    hf_dir: str, layout: ParityLayout, tokens: torch.Tensor, device: str = "cpu", mcore_dir: str | None = None
+    hf_dir: str,
+    layout: ParallelConfig,
+    tokens: torch.Tensor,
+    device: str = "cpu",
+    mcore_dir: str | None = None,
+    dp: int = 1,
 ) -> torch.Tensor:
-    """Full logits of Megatron at ``layout`` for ``tokens``, computed on freshly spawned ranks."""
+    """Full logits of Megatron at ``layout`` (times ``dp`` replicas) for ``tokens``, on freshly spawned ranks."""
+    world = parity_world_size(layout, dp)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "logits.pt")
-        run_on_ranks(_parity_rank, layout.world_size(), device, hf_dir, layout, tokens, out_path, device, mcore_dir)
+        run_on_ranks(_parity_rank, world, device, hf_dir, layout, tokens, out_path, device, mcore_dir)
         return torch.load(out_path)
 
 
-def check_parity(hf_dir: str, layout: ParityLayout, seq_len: int = 32, batch: int = 2, device: str = "cpu") -> float:
-    """Max |logit difference| between Megatron at ``layout`` and HF transformers."""
-    arch = read_arch(hf_dir)
-    if device == "cuda" and torch.cuda.device_count() < layout.world_size():
-        raise UserError(f"layout needs {layout.world_size()} GPUs, {torch.cuda.device_count()} visible")
+def check_parity(
+    hf_dir: str, layout: ParallelConfig, seq_len: int = 32, batch: int = 2, device: str = "cpu", dp: int = 1
+) -> float:
+    """Max |logit difference| between Megatron at ``layout`` (times ``dp`` replicas) and HF transformers."""
+    arch, world = read_arch(hf_dir), parity_world_size(layout, dp)
+    if device == "cuda" and torch.cuda.device_count() < world:
+        raise UserError(f"layout needs {world} GPUs, {torch.cuda.device_count()} visible")
     tokens = fixed_tokens(arch.vocab_size, batch, seq_len)
-    return _max_diff(megatron_logits(hf_dir, layout, tokens, device), hf_logits(hf_dir, tokens))
+    return _max_diff(megatron_logits(hf_dir, layout, tokens, device, dp=dp), hf_logits(hf_dir, tokens))
 
 
-def check_parity_in_group(hf_dir: str, layout: ParityLayout, seq_len: int = 32, batch: int = 2, device: str = "cpu"):
+def check_parity_in_group(
+    hf_dir: str, layout: ParallelConfig, seq_len: int = 32, batch: int = 2, device: str = "cpu", dp: int = 1
+):
     """``check_parity`` for ranks started by torchrun/slurm; the result comes back on rank 0, else ``None``.
 
     The reporting rank (last stage, TP 0, DP 0) also runs the HF reference, on CPU in fp32.
     """
     tokens = fixed_tokens(read_arch(hf_dir).vocab_size, batch, seq_len)
     result: list[float] = []
-    run_on_ranks(_parity_in_group_rank, layout.world_size(), device, hf_dir, layout, tokens, device, result)
+    world = parity_world_size(layout, dp)
+    run_on_ranks(_parity_in_group_rank, world, device, hf_dir, layout, tokens, device, result)
     return result[0] if result else None
 
 
-def _parity_in_group_rank(hf_dir: str, layout: ParityLayout, tokens, device: str, result: list) -> None:
+def _parity_in_group_rank(hf_dir: str, layout: ParallelConfig, tokens, device: str, result: list) -> None:
     import torch.distributed as dist
 
     logits = megatron_logits_on_rank(hf_dir, layout, tokens, device)

@@ -24,7 +24,14 @@ from dataclasses import dataclass
 
 from rlsys.config import RunConfig
 from rlsys.errors import ConfigError
-from rlsys.plan import check_engines_fit, device_offsets, role_world_sizes, rollout_devices
+from rlsys.plan import (
+    check_engine_gpus,
+    check_engines_fit,
+    check_node_shape,
+    device_offsets,
+    role_world_sizes,
+    rollout_devices,
+)
 
 SHARE = 0.2  # of a bundle's GPU and CPU per process: up to five processes per device
 # Ray leaves CUDA_VISIBLE_DEVICES alone with this set: the process sees every GPU of its node. Ranks and
@@ -64,11 +71,12 @@ def local_gpu_index(gpu_id, visible: str | None) -> int:
 class Placement:
     """The run's placement group and the device of every role rank and engine. Build with ``create``."""
 
-    def __init__(self, cfg: RunConfig, pg, devices: list[Device]):
-        self.cfg, self.pg, self.devices = cfg, pg, devices
-        self.cuda = cfg.cluster.device == "cuda"
-        self.sizes = role_world_sizes(cfg)
-        self.offsets = device_offsets(cfg, self.sizes)
+    def __init__(self, pg, devices: list[Device], cuda: bool, sizes: dict, offsets: dict, engines: int, engine_tp: int):
+        """``sizes``: ranks per role; ``offsets``: first global device of each role and of ``"rollout"``
+        (``rlsys.plan.device_offsets``); ``engines`` rlsys launches (0 with ``rollout.urls``) of ``engine_tp``
+        devices each. ``create`` derives them from the config."""
+        self.pg, self.devices, self.cuda = pg, devices, cuda
+        self.sizes, self.offsets, self.num_engines, self.engine_tp = sizes, offsets, engines, engine_tp
 
     @classmethod
     def create(cls, cfg: RunConfig, timeout_s: float = 60.0) -> Placement:
@@ -97,10 +105,11 @@ class Placement:
             found = _probe(pg, len(bundles), cuda)
             if cuda:
                 devices = sorted(found, key=_order)
-                _check_nodes(devices, c.nodes, c.devices_per_node)
+                check_node_shape(list(Counter(d.node_id for d in devices).values()), c.nodes, c.devices_per_node)
             else:
                 devices = [d for d in sorted(found, key=_order) for _ in range(c.devices_per_node)]
-            placement = cls(cfg, pg, devices)
+            sizes, tp = role_world_sizes(cfg), cfg.rollout.tp
+            placement = cls(pg, devices, cuda, sizes, device_offsets(cfg, sizes), rollout_devices(cfg) // tp, tp)
             placement._check_engine_gpus()
         except BaseException:
             remove_placement_group(pg)
@@ -129,11 +138,10 @@ class Placement:
 
     def engine_devices(self, index: int) -> list[int]:
         """Global devices of engine ``index`` (``rollout.tp`` consecutive devices)."""
-        r = self.cfg.rollout
-        if not 0 <= index < r.num_engines or rollout_devices(self.cfg) == 0:
-            raise ValueError(f"there is no engine {index}: this run launches {rollout_devices(self.cfg) // r.tp}")
-        start = self.offsets["rollout"] + index * r.tp
-        return list(range(start, start + r.tp))
+        if not 0 <= index < self.num_engines:
+            raise ValueError(f"there is no engine {index}: this run launches {self.num_engines}")
+        start = self.offsets["rollout"] + index * self.engine_tp
+        return list(range(start, start + self.engine_tp))
 
     def engine_options(self, index: int) -> dict:
         """``.options(...)`` of the Ray actor that hosts engine ``index``: on its first device, seeing every
@@ -165,18 +173,11 @@ class Placement:
         return options
 
     def _check_engine_gpus(self) -> None:
-        # SGLang takes GPUs base_gpu_id .. base_gpu_id + tp - 1 of its node.
-        if not self.cuda or rollout_devices(self.cfg) == 0:
+        if not self.cuda:
             return
-        for i in range(self.cfg.rollout.num_engines):
-            gpus = [self.gpu_id(d) for d in self.engine_devices(i)]
-            if gpus != list(range(gpus[0], gpus[0] + len(gpus))):
-                raise ConfigError(
-                    "rollout.tp",
-                    f"engine {i} got GPUs {gpus} of node {self.node_ip(self.engine_devices(i)[0])}, which are not "
-                    "consecutive, but SGLang uses consecutive GPUs from --base-gpu-id; start Ray on that node "
-                    "with all its GPUs visible",
-                )
+        for i in range(self.num_engines):
+            devices = self.engine_devices(i)
+            check_engine_gpus(i, [self.gpu_id(d) for d in devices], self.node_ip(devices[0]))
 
 
 def _probe(pg, count: int, cuda: bool) -> list[Device]:
@@ -206,20 +207,6 @@ def _probe(pg, count: int, cuda: bool) -> list[Device]:
 def _order(d: Device) -> tuple:
     address = ipaddress.ip_address(d.node_ip)
     return address.version, int(address), d.node_id, d.gpu_id or 0, d.bundle
-
-
-def _check_nodes(devices: list[Device], nodes: int, per_node: int) -> None:
-    # PACK may spread bundles unevenly over partly busy nodes; the plan's node = device // per_node would
-    # then put TP groups and engines across nodes.
-    counts = Counter(d.node_id for d in devices)
-    if len(counts) != nodes or set(counts.values()) != {per_node}:
-        spread = " + ".join(str(counts[n]) for n in dict.fromkeys(d.node_id for d in devices))
-        raise ConfigError(
-            "cluster.devices_per_node",
-            f"Ray placed the {len(devices)} devices as {spread} on {len(counts)} node(s), but the run needs "
-            f"cluster.nodes = {nodes} nodes of cluster.devices_per_node = {per_node} devices each; "
-            "set them to the cluster's real shape, or free whole nodes",
-        )
 
 
 def _summary(cuda: bool) -> str:

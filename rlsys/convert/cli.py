@@ -39,28 +39,33 @@ def _run_cleaning_up(out_dir: str, fn, world: int, device: str, *args) -> None:
         raise
 
 
-def _layout(args):
-    from rlsys.convert.mcore_checkpoint import Layout
+def _layout(args, hf_config: dict):
+    """The layout flags, checked against the model (one ``error: --flag ...`` line on failure)."""
+    from rlsys.architectures.hf_config import arch_from_dict
+    from rlsys.config import ParallelConfig
+    from rlsys.plan import check_layout_flags, min_world_size
 
-    return Layout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
+    layout = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
+    check_layout_flags(layout, min_world_size(layout), arch_from_dict(hf_config))
+    return layout
 
 
 def _hf_to_mcore(args) -> int:
     from rlsys.architectures.hf_checkpoint import HFCheckpoint
     from rlsys.architectures.hf_config import load_hf_config
     from rlsys.architectures.hf_writer import check_output
-    from rlsys.convert.mcore_checkpoint import check_layout, default_dtype, hf_to_mcore_rank
+    from rlsys.convert.mcore_checkpoint import default_dtype, hf_to_mcore_rank
+    from rlsys.plan import min_world_size
 
     hf_config = load_hf_config(args.hf)
-    layout = _layout(args)
-    check_layout(hf_config, layout)
+    layout = _layout(args, hf_config)
     HFCheckpoint(args.hf)  # a broken index fails here, before any rank starts
     check_output(args.out, args.overwrite)
     dtype = args.dtype or default_dtype(hf_config)
     _run_cleaning_up(
         args.out,
         hf_to_mcore_rank,
-        layout.world_size(),
+        min_world_size(layout),
         args.device,
         args.hf,
         args.out,
@@ -74,16 +79,16 @@ def _hf_to_mcore(args) -> int:
 
 def _mcore_to_hf(args) -> int:
     from rlsys.architectures.hf_writer import check_output
-    from rlsys.convert.mcore_checkpoint import check_layout, mcore_to_hf_rank, read_meta
+    from rlsys.convert.mcore_checkpoint import mcore_to_hf_rank, read_meta
+    from rlsys.plan import min_world_size
 
     meta = read_meta(args.mcore)
-    layout = _layout(args)
-    check_layout(meta["hf_config"], layout)
+    layout = _layout(args, meta["hf_config"])
     check_output(args.out, args.overwrite)
     _run_cleaning_up(
         args.out,
         mcore_to_hf_rank,
-        layout.world_size(),
+        min_world_size(layout),
         args.device,
         args.mcore,
         args.out,
@@ -153,7 +158,10 @@ def build_parser(prog: str = "python -m tools.convert") -> argparse.ArgumentPars
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m tools.convert") -> int:
+    from rlsys.telemetry.noise import quiet_libraries
+
     args = build_parser(prog).parse_args(argv)
+    quiet_libraries()  # RLSYS_VERBOSE=1 shows every library warning
     try:
         return args.func(args)
     except UserError as e:

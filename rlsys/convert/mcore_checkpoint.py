@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,24 +39,16 @@ from rlsys.architectures.hf_writer import (
     partial_dir,
     prepare_output,
 )
+from rlsys.config import ParallelConfig
 from rlsys.errors import CheckpointError
 from rlsys.megatron.model import sharded_state_dict
-from rlsys.megatron.topology import min_world_size
 
 META_FILE = "rlsys_meta.json"
 HF_SIDE_DIR = "hf"
 FORMAT_VERSION = 1
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int | None = None
-
-    def world_size(self) -> int:
-        return min_world_size(self.tp, self.pp, self.ep, self.etp)
+# The keys of ``saved_layout`` in rlsys_meta.json, as checkpoints have always had them: old and new
+# checkpoints read alike whatever else ParallelConfig grows.
+SAVED_LAYOUT_KEYS = ("tp", "pp", "ep", "etp")
 
 
 def read_meta(mcore_dir: str) -> dict:
@@ -75,12 +66,12 @@ def read_meta(mcore_dir: str) -> dict:
     return meta
 
 
-def _build(arch, layout: Layout, dtype: str, device: str, padded_vocab: int | None = None):
+def _build(arch, layout: ParallelConfig, dtype: str, device: str, padded_vocab: int | None = None):
     """This rank's model on the meta device: conversions materialize it one unit at a time."""
     from rlsys.megatron.model import build_model
     from rlsys.megatron.topology import build_topology
 
-    topo = build_topology(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, device=device)
+    topo = build_topology(layout, device=device)
     chunks, _ = build_model(arch, topo, dtype=dtype, padded_vocab=padded_vocab, meta=True)
     return topo, chunks
 
@@ -113,7 +104,9 @@ def _unit_state(chunk, unit) -> dict:
     }
 
 
-def hf_to_mcore_rank(hf_dir: str, out_dir: str, layout: Layout, dtype: str, device: str, overwrite: bool) -> None:
+def hf_to_mcore_rank(
+    hf_dir: str, out_dir: str, layout: ParallelConfig, dtype: str, device: str, overwrite: bool
+) -> None:
     """One rank of ``hf-to-mcore``: fill and save one unit (a layer, the embedding...) at a time.
 
     Each step's units (one per rank) form a part checkpoint; the parts merge into one at the end.
@@ -160,7 +153,7 @@ def hf_to_mcore_rank(hf_dir: str, out_dir: str, layout: Layout, dtype: str, devi
         )
 
 
-def write_meta(tmp: str, hf_dir: str, arch, dtype: str, layout: Layout, padded_vocab: int) -> None:
+def write_meta(tmp: str, hf_dir: str, arch, dtype: str, layout: ParallelConfig, padded_vocab: int) -> None:
     side = os.path.join(tmp, HF_SIDE_DIR)
     os.makedirs(side)
     copy_side_files(hf_dir, side)
@@ -171,7 +164,7 @@ def write_meta(tmp: str, hf_dir: str, arch, dtype: str, layout: Layout, padded_v
         hf_config=load_hf_config(hf_dir),
         hf_dtypes=hf_dtype_map(hf_dir),
         dtype=dtype,
-        saved_layout=asdict(layout),
+        saved_layout={k: getattr(layout, k) for k in SAVED_LAYOUT_KEYS},
         padded_vocab=padded_vocab,
     )
     with open(os.path.join(tmp, META_FILE), "w") as f:
@@ -179,7 +172,13 @@ def write_meta(tmp: str, hf_dir: str, arch, dtype: str, layout: Layout, padded_v
 
 
 def mcore_to_hf_rank(
-    mcore_dir: str, out_dir: str, layout: Layout, dtype: str | None, device: str, max_shard_bytes: int, overwrite: bool
+    mcore_dir: str,
+    out_dir: str,
+    layout: ParallelConfig,
+    dtype: str | None,
+    device: str,
+    max_shard_bytes: int,
+    overwrite: bool,
 ) -> None:
     """One rank of ``mcore-to-hf``: load, export and free one unit (a layer, the embedding...) at a time."""
     from rlsys.megatron.topology import destroy_topology
@@ -285,7 +284,7 @@ def verify_rank(hf_dir: str, mcore_dir: str, device: str, report_path: str) -> N
 
     meta = read_meta(mcore_dir)
     arch = arch_from_dict(meta["hf_config"])
-    topo, chunks = _build(arch, Layout(), meta["dtype"], device, padded_vocab=meta["padded_vocab"])
+    topo, chunks = _build(arch, ParallelConfig(), meta["dtype"], device, padded_vocab=meta["padded_vocab"])
     src = HFCheckpoint(hf_dir)
     seen, worst, worst_name, missing = set(), 0.0, None, []
     for name, ours in iter_mcore_as_hf(chunks, arch, topo, mcore_dir):
@@ -312,15 +311,6 @@ def verify_rank(hf_dir: str, mcore_dir: str, device: str, report_path: str) -> N
             ),
             f,
         )
-
-
-def check_layout(hf_config: dict, layout: Layout) -> None:
-    """The layout flags against the model (one ``error: --flag ...`` line on failure)."""
-    from rlsys.config import ParallelConfig
-    from rlsys.plan import check_layout_flags
-
-    parallel = ParallelConfig(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp)
-    check_layout_flags(parallel, layout.world_size(), arch_from_dict(hf_config))
 
 
 def default_dtype(hf_config: dict) -> str:

@@ -9,7 +9,6 @@ globals that may belong to another grid.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,8 +16,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from rlsys.config import ParallelConfig
 from rlsys.errors import UserError
 from rlsys.megatron import platform
+from rlsys.plan.grid import expert_tp, min_world_size
 
 
 @dataclass(frozen=True)
@@ -62,11 +63,6 @@ class Topology:
         )
 
 
-def min_world_size(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, cp: int = 1) -> int:
-    """The smallest world holding the grid: TP*CP*PP and ETP*EP*PP must both divide it."""
-    return math.lcm(tp * cp, (etp or tp) * ep) * pp
-
-
 def init_distributed(device: str = "cpu", timeout_minutes: int = 10) -> None:
     """Join the default process group from torchrun-style env vars (NCCL on CUDA, gloo on CPU)."""
     platform.prepare(device)
@@ -78,18 +74,8 @@ def init_distributed(device: str = "cpu", timeout_minutes: int = 10) -> None:
     dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
 
 
-def build_topology(
-    tp: int = 1,
-    pp: int = 1,
-    cp: int = 1,
-    ep: int = 1,
-    etp: int | None = None,
-    vpp: int | None = None,
-    sequence_parallel: bool = False,
-    device: str = "cpu",
-    seed: int = 1234,
-) -> Topology:
-    """Initialize megatron's grid for this process and return it frozen.
+def build_topology(parallel: ParallelConfig, device: str = "cpu", seed: int = 1234) -> Topology:
+    """Initialize megatron's grid of ``parallel`` for this process and return it frozen.
 
     The default process group must exist and megatron be prepared for ``device``: ``init_distributed``
     does both.
@@ -101,18 +87,19 @@ def build_topology(
         raise UserError(
             f"build_topology(device={device!r}) before init_distributed({device!r}) prepared megatron for it"
         )
-    world = dist.get_world_size()
-    etp = etp or tp
-    if world % (tp * pp * cp) or world % (etp * ep * pp):
-        raise UserError(f"world size {world} is not divisible by tp*pp*cp={tp * pp * cp} and etp*ep*pp={etp * ep * pp}")
+    p, world, etp = parallel, dist.get_world_size(), expert_tp(parallel)
+    if world % min_world_size(p):
+        raise UserError(
+            f"world size {world} is not divisible by tp*pp*cp={p.tp * p.pp * p.cp} and etp*ep*pp={etp * p.ep * p.pp}"
+        )
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
-        context_parallel_size=cp,
-        expert_model_parallel_size=ep,
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vpp,
+        context_parallel_size=p.cp,
+        expert_model_parallel_size=p.ep,
         expert_tensor_parallel_size=etp,
         create_gloo_process_groups=device != "cpu",  # on CPU the main groups are gloo already
     )
@@ -122,14 +109,14 @@ def build_topology(
         world_size=world,
         device=torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu"),
         backend=dist.get_backend(),
-        tp=tp,
-        pp=pp,
-        cp=cp,
-        ep=ep,
+        tp=p.tp,
+        pp=p.pp,
+        cp=p.cp,
+        ep=p.ep,
         etp=etp,
         dp=ps.get_data_parallel_world_size(),
-        vpp=vpp,
-        sequence_parallel=sequence_parallel,
+        vpp=p.vpp,
+        sequence_parallel=p.sequence_parallel,
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         cp_rank=ps.get_context_parallel_rank(),

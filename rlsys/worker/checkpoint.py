@@ -190,7 +190,8 @@ def save_training_state(
     """
     from megatron.core import dist_checkpointing
 
-    from rlsys.convert.mcore_checkpoint import Layout, write_meta
+    from rlsys.config import ParallelConfig
+    from rlsys.convert.mcore_checkpoint import write_meta
 
     hf_dir = hf_dir or getattr(engine, "hf_dir", None)
     if hf_dir is None:
@@ -211,7 +212,8 @@ def save_training_state(
 
     if rank == 0:
         t = engine.topo
-        write_meta(tmp, hf_dir, engine.arch, engine.dtype, Layout(t.tp, t.pp, t.ep, t.etp), engine.chunks[0].vocab_size)
+        layout = ParallelConfig(tp=t.tp, pp=t.pp, ep=t.ep, etp=t.etp)
+        write_meta(tmp, hf_dir, engine.arch, engine.dtype, layout, engine.chunks[0].vocab_size)
         train_state = dict(
             format_version=FORMAT_VERSION,
             step=step,

@@ -13,13 +13,13 @@ REL = 1e-5
 
 
 def _rank(hf_dir, layout, opts, out_dir):
-    from rlsys.config import AlgorithmConfig, RoleConfig
+    from rlsys.config import KLConfig, ParallelConfig, PolicyLossConfig, PolicyObjective, RoleConfig
     from rlsys.megatron.export import iter_hf_tensors
     from rlsys.megatron.topology import build_topology
     from rlsys.worker.actor import build_policy_worker
     from rlsys.worker.dispatch import dp_shards
 
-    topo = build_topology(device="cpu", **layout)
+    topo = build_topology(ParallelConfig(**layout), device="cpu")
     role = RoleConfig()
     role.batch.use_packing = opts.get("packing", True)
     role.batch.micro_batch_size = 3
@@ -27,8 +27,8 @@ def _rank(hf_dir, layout, opts, out_dir):
     role.optimizer.name = opts.get("optimizer", "sgd")
     role.optimizer.lr = 0.1 if role.optimizer.name == "sgd" else 1e-3
     role.optimizer.use_distributed_optimizer = opts.get("dist_opt", role.optimizer.name == "adam")
-    algo = AlgorithmConfig(name="grpo", kl_coef=0.05, entropy_coef=0.01, loss_agg_mode=opts.get("agg", "token-mean"))
-    worker = build_policy_worker(hf_dir, topo, role, algo)
+    loss = PolicyLossConfig(entropy_coef=0.01, agg_mode=opts.get("agg", "token-mean"))
+    worker = build_policy_worker(hf_dir, topo, role, PolicyObjective("grpo", loss, KLConfig(coef=0.05)))
     full = random_train_batch(worker.vocab_size)
     shard = dp_shards(full.lengths, topo.dp)[topo.dp_rank]
     mine = full.select(shard)

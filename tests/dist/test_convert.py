@@ -6,9 +6,10 @@ import os
 import pytest
 import torch
 
-from rlsys.convert.cli import main as convert
 from rlsys.architectures.hf_checkpoint import HFCheckpoint
-from rlsys.parity import ParityLayout, fixed_tokens, hf_logits, megatron_logits
+from rlsys.config import ParallelConfig
+from rlsys.convert.cli import main as convert
+from rlsys.parity import fixed_tokens, hf_logits, megatron_logits
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
@@ -64,7 +65,7 @@ def test_checkpoint_saved_at_one_layout_loads_at_another(tmp_path, tiny_checkpoi
     mcore = str(tmp_path / "mcore")
     assert convert(["hf-to-mcore", "--hf", src, "--out", mcore, "--tp", "2"]) == 0
     tokens = fixed_tokens(1001, 2, 16)
-    layout = ParityLayout(pp=2)
+    layout = ParallelConfig(pp=2)
     from_mcore = megatron_logits(src, layout, tokens, mcore_dir=mcore)
     from_hf = megatron_logits(src, layout, tokens)
     assert torch.equal(from_mcore, from_hf)  # same layout, same weights: bit-identical logits

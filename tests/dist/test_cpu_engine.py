@@ -16,16 +16,16 @@ import pytest
 import requests
 import torch
 import torch.distributed as dist
+from tiny_models import make_tiny_hf_checkpoint
 
 from rlsys.architectures.hf_checkpoint import HFCheckpoint
 from rlsys.architectures.hf_config import SUPPORTED_MODEL_TYPES
 from rlsys.local_ranks import free_port
-from rlsys.rollout.cpu.server import launch_cpu_engine
 from rlsys.rollout.cpu.weights import serialize_tensors
-from rlsys.sync.wire import tensor_checksum
-from rlsys.sync.process_group import destroy_custom_process_group, init_custom_process_group
+from rlsys.rollout.launch import launch_cpu_engine
 from rlsys.sync.buckets import Bucket
-from tiny_models import make_tiny_hf_checkpoint
+from rlsys.sync.process_group import destroy_custom_process_group, init_custom_process_group
+from rlsys.sync.wire import tensor_checksum
 
 pytestmark = pytest.mark.dist
 

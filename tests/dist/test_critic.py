@@ -12,19 +12,20 @@ pytestmark = pytest.mark.dist
 
 
 def _rank(hf_dir, layout, out_dir):
-    from rlsys.config import AlgorithmConfig, RoleConfig
+    from rlsys.config import ParallelConfig, RoleConfig, ScheduleConfig, ValueLossConfig, ValueObjective
     from rlsys.megatron.topology import build_topology
     from rlsys.worker.critic import build_critic_worker
     from rlsys.worker.dispatch import dp_shards
 
-    topo = build_topology(device="cpu", **layout)
+    topo = build_topology(ParallelConfig(**layout), device="cpu")
     role = RoleConfig()
     role.batch.use_packing = True
     role.batch.max_tokens_per_microbatch = 48
     # SGD: Adam's first steps are ~lr * sign(grad), which turns float noise in tiny gradients into
     # visible weight differences between layouts; SGD keeps the comparison about the gradients.
     role.optimizer.name, role.optimizer.use_distributed_optimizer, role.optimizer.lr = "sgd", False, 0.05
-    critic = build_critic_worker(hf_dir, topo, role, AlgorithmConfig(name="ppo", value_clip=0.5, ppo_epochs=2))
+    objective = ValueObjective(ValueLossConfig(clip=0.5), ScheduleConfig(ppo_epochs=2))
+    critic = build_critic_worker(hf_dir, topo, role, objective)
     full = random_train_batch(critic.engine.arch.vocab_size)
     shard = dp_shards(full.lengths, topo.dp)[topo.dp_rank]
     mine = full.select(shard)

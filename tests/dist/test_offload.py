@@ -26,14 +26,14 @@ def _batch(vocab: int, seed: int):
 
 
 def _worker(hf: str, topo, dtype: str, distopt: bool, trainable: bool = True):
-    from rlsys.config import AlgorithmConfig, RoleConfig
+    from rlsys.config import KLConfig, PolicyObjective, RoleConfig
     from rlsys.worker.actor import build_policy_worker
 
     cfg = RoleConfig()
     cfg.optimizer.lr = 1e-3
     cfg.optimizer.use_distributed_optimizer = distopt
-    algo = AlgorithmConfig(name="grpo", kl_coef=0.0)
-    return build_policy_worker(hf, topo, cfg, algo, dtype=dtype, trainable=trainable)
+    objective = PolicyObjective("grpo", kl=KLConfig(coef=0.0))
+    return build_policy_worker(hf, topo, cfg, objective, dtype=dtype, trainable=trainable)
 
 
 def _optimizer_tensors(engine) -> dict[str, torch.Tensor]:
@@ -142,15 +142,16 @@ def _check_reference(hf: str, topo) -> None:
 
 
 def _rank(hf: str) -> None:
+    from rlsys.config import ParallelConfig
     from rlsys.megatron.topology import build_topology, destroy_topology
 
     # DP=2 with the distributed optimizer (separate bf16 -> fp32 masters), plus a reference model
-    topo = build_topology(device="cpu")
+    topo = build_topology(ParallelConfig(), device="cpu")
     _check_actor(hf, topo, "bf16", distopt=True)
     _check_reference(hf, topo)
     destroy_topology()
     # TP=2 with the plain fp32 optimizer: the masters are the parameters
-    _check_actor(hf, build_topology(device="cpu", tp=2), "fp32", distopt=False)
+    _check_actor(hf, build_topology(ParallelConfig(tp=2), device="cpu"), "fp32", distopt=False)
     destroy_topology()
 
 

@@ -24,6 +24,7 @@ def _forward_rank(hf_dir: str, out_path: str) -> None:
     import torch
 
     from rlsys.architectures.hf_config import read_arch
+    from rlsys.config import ParallelConfig
     from rlsys.megatron.forward import causal_mask
     from rlsys.megatron.load import load_hf_weights
     from rlsys.megatron.model import build_model
@@ -31,7 +32,7 @@ def _forward_rank(hf_dir: str, out_path: str) -> None:
     from rlsys.worker.packing import pack, pad_batch, unpack
 
     arch = read_arch(hf_dir)
-    topo = build_topology(device="cpu")
+    topo = build_topology(ParallelConfig(), device="cpu")
     try:
         chunks, _ = build_model(arch, topo, dtype="fp32")
         load_hf_weights(chunks, arch, topo, hf_dir)

@@ -14,11 +14,12 @@ pytestmark = pytest.mark.dist
 def _worker(rank, world, port, layout, out_dir):
     import torch.distributed as dist
 
+    from rlsys.config import ParallelConfig
     from rlsys.megatron.topology import build_topology, destroy_topology, init_distributed
 
     set_rank_env(rank, world, port)
     init_distributed("cpu")
-    topo = build_topology(device="cpu", **layout)
+    topo = build_topology(ParallelConfig(**layout), device="cpu")
     x = torch.tensor([float(rank + 1)])
     dist.all_reduce(x, group=topo.pg.tp)
     y = torch.tensor([float(rank + 1)])

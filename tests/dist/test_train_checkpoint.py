@@ -56,21 +56,21 @@ def train_rank(hf_dir, setup, out_dir, root, actions, seed):
     """
     import torch.distributed as dist
 
-    from rlsys.config import AlgorithmConfig, RoleConfig
+    from rlsys.config import KLConfig, ParallelConfig, PolicyObjective, RoleConfig
     from rlsys.megatron.export import iter_hf_tensors
     from rlsys.megatron.topology import build_topology
     from rlsys.worker.actor import build_policy_worker
     from rlsys.worker.checkpoint import save_training_state
 
-    topo = build_topology(device="cpu", **setup.get("layout", {}))
+    topo = build_topology(ParallelConfig(**setup.get("layout", {})), device="cpu")
     rc = RoleConfig()
     rc.batch.micro_batch_size = 2
     rc.optimizer.lr = 1e-3
     rc.optimizer.lr_warmup_steps, rc.optimizer.lr_decay_style = 2, "cosine"  # an LR that moves every step
     rc.optimizer.use_distributed_optimizer = setup.get("distributed_optimizer", True)
-    algo = AlgorithmConfig(name="grpo", kl_coef=0.0)
+    objective = PolicyObjective("grpo", kl=KLConfig(coef=0.0))
     worker = build_policy_worker(
-        hf_dir, topo, rc, algo, total_steps=10, vocab_divisible_by=setup.get("vocab_divisible_by", 128)
+        hf_dir, topo, rc, objective, total_steps=10, vocab_divisible_by=setup.get("vocab_divisible_by", 128)
     )
     engine = worker.engine
     # Each run starts its RNG streams elsewhere: a resumed run only matches if they were restored.

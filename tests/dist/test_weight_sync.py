@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from rlsys.local_ranks import run_on_ranks
 from rlsys.rollout.client import EngineClient
-from rlsys.rollout.cpu.server import launch_cpu_engine
+from rlsys.rollout.launch import launch_cpu_engine
 from rlsys.sync.wire import tensor_checksum
 
 pytestmark = pytest.mark.dist
@@ -31,13 +31,13 @@ def checkpoint_checksums(hf_dir, arch_tied: bool) -> dict:
 def _trainer(hf_dir, layout, urls, engine_tp, opts, out_dir):
     import torch.distributed as dist
 
-    from rlsys.config import RoleConfig
-    from rlsys.sync.distributed import DistributedWeightSync
+    from rlsys.config import ParallelConfig, RoleConfig
     from rlsys.megatron.topology import build_topology
+    from rlsys.sync.distributed import DistributedWeightSync
     from rlsys.worker.actor import build_policy_worker
     from rlsys.worker.batch import TrainBatch
 
-    topo = build_topology(device="cpu", **layout)
+    topo = build_topology(ParallelConfig(**layout), device="cpu")
     worker = build_policy_worker(hf_dir, topo, RoleConfig(), None, trainable=False, temperature=0.8)
     rank0 = dist.get_rank() == 0
     clients = [EngineClient(u, timeout_s=60) for u in urls] if rank0 else []
@@ -212,8 +212,8 @@ def _funnel(out_dir):
     """Rank 1 sends buckets the way a PP/EP writer does; rank 0 receives them as the sender does."""
     import torch.distributed as dist
 
-    from rlsys.sync.buckets import Bucketer, recv_bucket, send_bucket, send_end
     from rlsys.architectures.fp8 import quantize_named_tensors
+    from rlsys.sync.buckets import Bucketer, recv_bucket, send_bucket, send_end
 
     group = dist.new_group([0, 1], backend="gloo")
     gen = torch.Generator().manual_seed(0)

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from rlsys.local_ranks import run_on_ranks
-from rlsys.rollout.cpu.server import launch_cpu_engine
+from rlsys.rollout.launch import launch_cpu_engine
 
 pytestmark = pytest.mark.dist
 
@@ -24,7 +24,8 @@ def _shape(hf_dir, name):
 
 
 def _trainer(hf_dir, urls, out_dir):
-    from rlsys.config import RoleConfig
+    from rlsys.config import ParallelConfig, RoleConfig
+    from rlsys.megatron.topology import build_topology
     from rlsys.rollout.client import EngineClient
     from rlsys.rollout.cpu.weights import serialize_tensors
     from rlsys.sync.distributed import DistributedWeightSync
@@ -35,7 +36,6 @@ def _trainer(hf_dir, urls, out_dir):
         probe_engines,
         verify_engines,
     )
-    from rlsys.megatron.topology import build_topology
     from rlsys.worker.actor import build_policy_worker
 
     class VerifyingSync(DistributedWeightSync):
@@ -46,7 +46,7 @@ def _trainer(hf_dir, urls, out_dir):
             sampled.add(name, tensor)
             super()._add(bucketer, outbox, name, tensor)
 
-    topo = build_topology(device="cpu")
+    topo = build_topology(ParallelConfig(), device="cpu")
     worker = build_policy_worker(hf_dir, topo, RoleConfig(), None, trainable=False)
     clients = [EngineClient(u, timeout_s=60) for u in urls]
     sync = VerifyingSync(

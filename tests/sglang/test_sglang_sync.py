@@ -29,7 +29,7 @@ LOGPROB_BOUND = {"fp32": 0.06, "bf16": 0.06}
 def _trainer(hf_dir, url, layout, opts, out_dir):
     import torch.distributed as dist
 
-    from rlsys.config import RoleConfig
+    from rlsys.config import ParallelConfig, RoleConfig
     from rlsys.megatron.topology import build_topology
     from rlsys.sync.distributed import DistributedWeightSync
     from rlsys.worker.actor import build_policy_worker
@@ -37,7 +37,7 @@ def _trainer(hf_dir, url, layout, opts, out_dir):
 
     if opts.get("no_session"):  # the bug this issue began with: 0.5.23 without begin/end answers 400
         protocol.SGLANG_RELEASES["0.5.23"] = False
-    topo = build_topology(device="cpu", **layout)
+    topo = build_topology(ParallelConfig(**layout), device="cpu")
     worker = build_policy_worker(
         hf_dir, topo, RoleConfig(), None, trainable=False, temperature=1.0, dtype=opts.get("dtype", "fp32")
     )

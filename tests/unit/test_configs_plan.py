@@ -111,9 +111,9 @@ def _logit_bytes(cfg: RunConfig, role_plan) -> int:
         return 0
     role = getattr(cfg, role_plan.name)
     tokens = role.batch.max_tokens_per_microbatch or role.batch.micro_batch_size * sequence_length(cfg)
-    g = role_plan.grid
-    vocab = padded_vocab(model_arch(cfg.model), g.tp, cfg.model.make_vocab_size_divisible_by)
-    return tokens // g.cp * (vocab // g.tp) * LOGIT_BYTES
+    p = role_plan.parallel
+    vocab = padded_vocab(model_arch(cfg.model), p.tp, cfg.model.make_vocab_size_divisible_by)
+    return tokens // p.cp * (vocab // p.tp) * LOGIT_BYTES
 
 
 def peak_bytes_per_device(cfg: RunConfig, plan: Plan) -> int:
@@ -138,7 +138,7 @@ def peak_bytes_per_device(cfg: RunConfig, plan: Plan) -> int:
 
 
 def _check_fits(cfg: RunConfig, plan: Plan, gpu: str) -> None:
-    """rlsys's own fit check (``rlsys.memory_plan``, part of ``build_plan``) on ``gpu``; AssertionError if not."""
+    """rlsys's own fit check (``rlsys.plan.memory``, part of ``build_plan``) on ``gpu``; AssertionError if not."""
     cluster = dataclasses.replace(cfg.cluster, device_memory_gib=USABLE_GIB[gpu])
     try:
         build_plan(dataclasses.replace(cfg, cluster=cluster), model_arch(cfg.model))
@@ -170,7 +170,7 @@ def test_layout_matches_the_table(name):
     cfg = load_config(_path(name))
     plan = _plan(cfg)
     actor = plan.role("actor")
-    assert (cfg.cluster.nodes, actor.grid.label(), actor.stage_layers) == (want.nodes, want.actor, want.stages)
+    assert (cfg.cluster.nodes, actor.label(), actor.stage_layers) == (want.nodes, want.actor, want.stages)
     assert (cfg.rollout.num_engines, cfg.rollout.tp, cfg.cluster.colocate) == (*want.engines, want.colocate)
 
 
@@ -243,7 +243,7 @@ def test_tiny_cpu_config_is_the_small_demo():
     assert cfg.cluster.nodes * cfg.cluster.devices_per_node == 2
     assert cfg.actor.parallel.tp * cfg.actor.parallel.pp == 2
     assert cfg.model.dtype == "fp32" and cfg.model.hf_config is not None and cfg.model.path is None
-    assert cfg.algorithm.name == "grpo" and cfg.algorithm.kl_coef == 0 and not cfg.ref.enabled
+    assert cfg.algorithm.name == "grpo" and cfg.algorithm.kl.coef == 0 and not cfg.ref.enabled
     assert cfg.data.path is None
     assert (cfg.data.prompts_per_step, cfg.rollout.sampling.n) == (8, 8)
     assert cfg.rollout.sampling.max_new_tokens <= 32 and cfg.trainer.steps == 200

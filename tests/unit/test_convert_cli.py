@@ -53,3 +53,14 @@ def test_not_a_megatron_checkpoint(tiny_checkpoints, out, capsys):
 def test_output_parent_must_exist(tiny_checkpoints, tmp_path, capsys):
     code, err = run(["hf-to-mcore", "--hf", tiny_checkpoints["llama"], "--out", str(tmp_path / "a" / "b")], capsys)
     assert code == 2 and "parent directory" in err
+
+
+def test_meta_records_the_layout_under_the_keys_old_checkpoints_have(tiny_checkpoints, tmp_path):
+    from rlsys.architectures.hf_config import read_arch
+    from rlsys.config import ParallelConfig
+    from rlsys.convert.mcore_checkpoint import META_FILE, write_meta
+
+    hf = tiny_checkpoints["qwen3_moe"]
+    write_meta(str(tmp_path), hf, read_arch(hf), "fp32", ParallelConfig(tp=2, ep=2, vpp=2), 1024)
+    meta = json.loads((tmp_path / META_FILE).read_text())
+    assert meta["saved_layout"] == {"tp": 2, "pp": 1, "ep": 2, "etp": None}

@@ -5,8 +5,20 @@ import json
 import pytest
 
 from rlsys.architectures.hf_config import arch_from_dict
-from rlsys.config import load_config
-from rlsys.plan import build_plan, enabled_roles, model_arch, rank_coords, render_plan, role_grid
+from rlsys.config import ParallelConfig, load_config
+from rlsys.errors import ConfigError
+from rlsys.plan import (
+    build_plan,
+    check_engine_gpus,
+    check_node_shape,
+    dp_size,
+    enabled_roles,
+    expert_dp_size,
+    min_world_size,
+    model_arch,
+    rank_coords,
+    render_plan,
+)
 from rlsys.sizing import RoleShape, count_params, estimate_memory, stage_layers, stage_params
 
 TINY_QWEN2 = [
@@ -45,13 +57,13 @@ def test_grid_and_rank_coordinates_by_hand():
             "actor.parallel.tp=2",
             "actor.parallel.pp=2",
             "ref.enabled=false",
-            "algorithm.kl_coef=0",
+            "algorithm.kl.coef=0",
             "rollout.tp=2",
             "rollout.num_engines=4",
         ]
     )
     actor = plan.role("actor")
-    assert actor.grid.label() == "TP2 x PP2 x CP1 x EP1 x DP2"
+    assert actor.label() == "TP2 x PP2 x CP1 x EP1 x DP2"
     expected = {  # rank: (node, device, pp, tp, dp)
         0: (0, 0, 0, 0, 0),
         1: (0, 1, 0, 1, 0),
@@ -77,12 +89,12 @@ def test_expert_grid_coordinates_by_hand():
             "actor.parallel.ep=4",
             "actor.parallel.etp=1",
             "ref.enabled=false",
-            "algorithm.kl_coef=0",
+            "algorithm.kl.coef=0",
         ]
     )
-    grid = plan.role("actor").grid
-    assert (grid.dp, grid.expert_dp) == (4, 2)
-    rank5 = plan.role("actor").ranks[5]
+    actor = plan.role("actor")
+    assert (actor.dp, actor.expert_dp) == (4, 2)
+    rank5 = actor.ranks[5]
     assert (rank5.tp, rank5.dp, rank5.pp) == (1, 2, 0)
     assert (rank5.etp, rank5.ep, rank5.expert_dp) == (0, 1, 1)
 
@@ -101,10 +113,10 @@ def test_rank_coords_agree_with_megatron_rank_generator(tp, cp, pp, ep, etp, wor
             f"actor.parallel.etp={etp}",
         ],
     )
-    grid = role_grid(cfg.actor, world)
-    dense = RankGenerator(tp=tp, ep=1, dp=grid.dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
-    expert = RankGenerator(tp=etp, ep=ep, dp=grid.expert_dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
-    coords = [rank_coords(r, grid) for r in range(world)]
+    p = cfg.actor.parallel
+    dense = RankGenerator(tp=tp, ep=1, dp=dp_size(p, world), pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    expert = RankGenerator(tp=etp, ep=ep, dp=expert_dp_size(p, world), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    coords = [rank_coords(r, p, world) for r in range(world)]
     for gen, token, key in [
         (dense, "tp", "tp"),
         (dense, "cp", "cp"),
@@ -119,6 +131,20 @@ def test_rank_coords_agree_with_megatron_rank_generator(tp, cp, pp, ep, etp, wor
             assert [coords[r][key] for r in group] == list(range(len(group)))
 
 
+def test_min_world_size_holds_the_dense_and_the_expert_grid():
+    assert min_world_size(ParallelConfig(tp=2, pp=2, ep=4, etp=1)) == 8  # lcm(tp*cp=2, etp*ep=4) * pp
+    assert min_world_size(ParallelConfig(tp=2, cp=2, ep=2)) == 4  # etp defaults to tp
+
+
+def test_the_devices_ray_gave_must_match_the_plans_numbering():
+    check_node_shape([4, 4], nodes=2, per_node=4)
+    with pytest.raises(ConfigError, match=r"as 3 \+ 5 on 2 node"):
+        check_node_shape([3, 5], nodes=2, per_node=4)
+    check_engine_gpus(0, [2, 3], "10.0.0.1")
+    with pytest.raises(ConfigError, match="not consecutive"):
+        check_engine_gpus(1, [0, 2], "10.0.0.1")
+
+
 def test_disaggregated_placement():
     cfg = load_config("configs/llama3_8b_ppo.yaml")
     plan = build_plan(cfg, model_arch(cfg.model))
@@ -130,8 +156,8 @@ def test_disaggregated_placement():
 
 
 def test_the_reference_model_is_built_only_for_a_kl_term():
-    assert enabled_roles(load_config(None, [*TINY_QWEN2, "algorithm.kl_coef=0.001"])) == ["actor", "ref"]
-    cfg, plan = _plan([*TINY_QWEN2, "algorithm.kl_coef=0"])
+    assert enabled_roles(load_config(None, [*TINY_QWEN2, "algorithm.kl.coef=0.001"])) == ["actor", "ref"]
+    cfg, plan = _plan([*TINY_QWEN2, "algorithm.kl.coef=0"])
     assert enabled_roles(cfg) == ["actor"] and [r.name for r in plan.roles] == ["actor"]
 
 
@@ -163,7 +189,7 @@ def test_memory_estimate_by_hand():
             "data.max_prompt_len=100",
             "rollout.sampling.max_new_tokens=28",
             "ref.enabled=false",
-            "algorithm.kl_coef=0",
+            "algorithm.kl.coef=0",
         ]
     )
     actor = plan.role("actor")  # 8 devices: TP2 x PP2 x DP2, bf16, Adam, distributed optimizer

@@ -63,9 +63,9 @@ def _logits(cfg: RunConfig, role_plan, arch) -> float:
     role = getattr(cfg, role_plan.name)
     seq = cfg.data.max_prompt_len + cfg.rollout.sampling.max_new_tokens
     tokens = role.batch.max_tokens_per_microbatch or role.batch.micro_batch_size * seq
-    g = role_plan.grid
-    vocab = padded_vocab(arch, g.tp, cfg.model.make_vocab_size_divisible_by)
-    return tokens // g.cp * (vocab // g.tp) * LOGIT_BYTES
+    p = role_plan.parallel
+    vocab = padded_vocab(arch, p.tp, cfg.model.make_vocab_size_divisible_by)
+    return tokens // p.cp * (vocab // p.tp) * LOGIT_BYTES
 
 
 def phases(cfg: RunConfig, plan, arch) -> list[Phase]:

@@ -1,0 +1,92 @@
+"""Where a run's devices go: how many there are, each role's world size and first device, and how each
+engine receives the weights.
+
+Devices are numbered globally: device d is local device ``d % devices_per_node`` of node
+``d // devices_per_node``; role ranks and engines take ranges of them.
+"""
+
+from __future__ import annotations
+
+from rlsys.config import ROLES, RunConfig
+from rlsys.errors import ConfigError
+
+
+def total_devices(cfg: RunConfig) -> int:
+    return cfg.cluster.nodes * cfg.cluster.devices_per_node
+
+
+def rollout_devices(cfg: RunConfig) -> int:
+    """Devices the rollout engines take; engines reached by URL take none of ours."""
+    return 0 if cfg.rollout.urls else cfg.rollout.tp * cfg.rollout.num_engines
+
+
+def sequence_length(cfg: RunConfig) -> int:
+    return cfg.data.max_prompt_len + cfg.rollout.sampling.max_new_tokens
+
+
+def enabled_roles(cfg: RunConfig) -> list[str]:
+    """The Megatron roles a run builds: the actor, the critic if enabled, and the reference model if
+    enabled and some KL term uses it (with ``algorithm.kl.coef: 0`` it would compute log-probs for nothing)."""
+    uses_ref = cfg.algorithm.kl.coef > 0
+    return [r for r in ROLES if getattr(cfg, r).enabled and (r != "ref" or uses_ref)]
+
+
+def role_world_sizes(cfg: RunConfig) -> dict[str, int]:
+    """World size of each enabled role, explicit or derived from the cluster.
+
+    Colocated roles take turns on the same devices, so an unset world size means
+    all of them. Disaggregated, the actor takes what the critic and rollout
+    leave, and the reference model runs on the actor's devices.
+    """
+    total = total_devices(cfg)
+    if cfg.cluster.colocate:
+        return {r: getattr(cfg, r).world_size or total for r in enabled_roles(cfg)}
+    sizes = {}
+    if cfg.critic.enabled:
+        if cfg.critic.world_size is None:
+            raise ConfigError("critic.world_size", "None is invalid: must be set when cluster.colocate is false")
+        sizes["critic"] = cfg.critic.world_size
+    sizes["actor"] = cfg.actor.world_size or total - rollout_devices(cfg) - sizes.get("critic", 0)
+    if cfg.ref.enabled:
+        sizes["ref"] = cfg.ref.world_size or sizes["actor"]
+    return {r: sizes[r] for r in enabled_roles(cfg)}
+
+
+def device_offsets(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, int]:
+    """First global device of each role and of the rollout engines."""
+    if cfg.cluster.colocate:
+        return {name: 0 for name in [*sizes, "rollout"]}
+    critic = sizes.get("critic", 0)
+    offsets = {"actor": 0, "ref": 0, "critic": sizes["actor"], "rollout": sizes["actor"] + critic}
+    return {name: offsets[name] for name in [*sizes, "rollout"]}
+
+
+def sync_transports(cfg: RunConfig) -> list[str]:
+    """How each engine receives the weights (``rlsys.sync.distributed``): ``tensor`` (colocated:
+    ``update_weights_from_tensor``, CUDA IPC on GPU, shared memory on CPU) or ``broadcast`` (a weight-update
+    group). The sender is actor rank 0, on device 0, so ``tensor`` reaches only engines on the first node."""
+    r, per_node = cfg.rollout, cfg.cluster.devices_per_node
+    if r.urls:  # attached engines: where they run is unknown, a group reaches them anywhere
+        if r.sync.transport == "tensor":
+            raise ConfigError("rollout.sync.transport", "'tensor' is invalid with rollout.urls: use broadcast")
+        return ["broadcast"] * len(r.urls)
+    first_node = [(i * r.tp + r.tp - 1) < per_node for i in range(r.num_engines)]
+    if r.sync.transport == "broadcast":
+        if cfg.cluster.colocate and cfg.cluster.device == "cuda":
+            raise ConfigError(
+                "rollout.sync.transport",
+                "'broadcast' is invalid with cluster.colocate on cuda: engine 0 shares GPU 0 with actor rank 0, and "
+                "NCCL refuses a group with two ranks on one GPU; use 'auto' (update_weights_from_tensor there)",
+            )
+        return ["broadcast"] * r.num_engines
+    if r.sync.transport == "tensor":
+        if not cfg.cluster.colocate or not all(first_node):
+            raise ConfigError(
+                "rollout.sync.transport",
+                "'tensor' is invalid here: it needs every engine colocated on the first node (cluster.colocate: true, "
+                f"engines within the first {per_node} devices); use 'auto'",
+            )
+        return ["tensor"] * r.num_engines
+    if not cfg.cluster.colocate:
+        return ["broadcast"] * r.num_engines
+    return ["tensor" if local else "broadcast" for local in first_node]
