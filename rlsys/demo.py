@@ -26,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     from rlsys.controller.loop import train
     from rlsys.plan import model_arch, validate_layout
     from rlsys.telemetry.metrics import read_metrics
+    from rlsys.telemetry.noise import quiet_libraries
 
+    quiet_libraries()  # RLSYS_VERBOSE=1 shows every library warning
     overrides = [f"trainer.output_dir={OUT}", "trainer.resume=false", *(argv or [])]
     print(__doc__.split("\n\n")[1].replace("\n", " "), "\n", flush=True)
     cfg = load_config(CONFIG, overrides)

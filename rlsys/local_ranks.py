@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
-import warnings
 
 from rlsys.errors import UserError
 
@@ -60,7 +59,19 @@ def spawn_ranks(fn, world: int, *args) -> None:
     """
     import torch.multiprocessing as mp
 
-    mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=True, start_method="spawn")
+    from rlsys.telemetry.noise import worker_env
+
+    env = worker_env()  # the children inherit it: library noise is filtered before they import anything
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=True, start_method="spawn")
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _rank_main(rank: int, world: int, port: int, device: str, error_path: str, fn, args) -> None:
@@ -68,8 +79,9 @@ def _rank_main(rank: int, world: int, port: int, device: str, error_path: str, f
     import torch.distributed as dist
 
     from rlsys.megatron.topology import init_distributed
+    from rlsys.telemetry.noise import quiet_libraries
 
-    warnings.simplefilter("ignore")  # megatron and torch.distributed deprecation chatter, once per rank
+    quiet_libraries()  # megatron's Apex/TE notices and torch.distributed deprecations, once per rank
     set_rank_env(rank, world, port)
     torch.set_num_threads(1)
     init_distributed(device)

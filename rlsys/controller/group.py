@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rlsys.telemetry.noise import worker_env
 from rlsys.worker.batch import TrainBatch
 from rlsys.worker.dispatch import dp_shards, merge_shards
 from rlsys.worker.rank import RankWorker
+from rlsys.worker.spec import RoleSpec
 
 if TYPE_CHECKING:
     from rlsys.controller.placement import Placement
@@ -22,7 +24,8 @@ class RoleGroup:
     """``placement``: where each rank's actor runs (``Placement.rank_options``); without one, Ray puts
     the ranks anywhere with a whole GPU (cuda) or no resources (cpu)."""
 
-    def __init__(self, role: str, world: int, spec: dict, use_ray: bool = True, placement: Placement | None = None):
+    def __init__(self, spec: RoleSpec, use_ray: bool = True, placement: Placement | None = None):
+        role, world = spec.role, spec.world
         self.role, self.world, self.use_ray = role, world, use_ray
         if use_ray:
             import ray
@@ -35,13 +38,13 @@ class RoleGroup:
                 raise ValueError(f"the in-process (no Ray) mode runs one rank per role; {role} has {world}")
             self.ranks = [RankWorker()]
             master = self.ranks[0].address()
-        self.infos = self._all("init", *[(role, r, world, master, spec) for r in range(world)])
+        self.infos = self._all("init", *[(r, master, spec) for r in range(world)])
         self.dp = self.infos[0]["dp"]
 
-    def _rank_options(self, rank: int, spec: dict, placement: Placement | None) -> dict:
-        env = {"OMP_NUM_THREADS": str(spec.get("threads", 1))}
+    def _rank_options(self, rank: int, spec: RoleSpec, placement: Placement | None) -> dict:
+        env = {"OMP_NUM_THREADS": str(spec.threads), **worker_env()}
         if placement is None:
-            options = {"num_gpus": 1} if spec["device"] == "cuda" else {"num_cpus": 0}
+            options = {"num_gpus": 1} if spec.device == "cuda" else {"num_cpus": 0}
         else:
             options = placement.rank_options(self.role, rank)
             env.update(options.get("runtime_env", {}).get("env_vars", {}))
@@ -102,8 +105,12 @@ class RoleGroup:
         try:
             self._all("shutdown")
         finally:
-            if self.use_ray:
-                import ray
+            self.kill()
 
-                for w in self.ranks:
-                    ray.kill(w)
+    def kill(self) -> None:
+        """End the ranks' processes without asking them (after a failure a rank may hang in a collective)."""
+        if self.use_ray:
+            import ray
+
+            for w in self.ranks:
+                ray.kill(w)

@@ -15,7 +15,8 @@ import re
 import torch
 
 from rlsys.errors import UserError
-from rlsys.rollout.batch import RolloutBatch, Sample
+from rlsys.rollout.batch import RolloutBatch
+from rlsys.rollout.protocol import Sample
 
 _NAME = re.compile(r"^step_(\d{6,})\.pt$")
 
@@ -62,3 +63,19 @@ def load_rollout(path: str) -> RolloutBatch:
     except (OSError, RuntimeError, KeyError, TypeError, EOFError) as e:
         hint = "regenerate it with --rollout-only"
         raise UserError(f"--train-only: cannot read rollout batch '{path}' ({e}); {hint}") from e
+
+
+class Replay:
+    """The batch source of a ``--train-only`` run: the saved batches, one per step, in order."""
+
+    def __init__(self, directory: str):
+        self.files = saved_steps(directory)
+
+    def next_batch(self, step: int, timer) -> RolloutBatch:
+        return load_rollout(self.files[step - 1])
+
+    def evaluate(self) -> dict:
+        return {}  # no engines to generate with
+
+    def close(self) -> None:
+        pass

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
-from rlsys.config import ClusterConfig, ModelConfig, RunConfig
+from rlsys.config import ClusterConfig, ModelConfig, PolicyObjective, RunConfig, ValueObjective
 from rlsys.plan import role_world_sizes
+from rlsys.telemetry.noise import verbose
+from rlsys.worker.spec import RoleSpec
 
 
 def start_ray(cluster: ClusterConfig) -> None:
@@ -14,12 +17,15 @@ def start_ray(cluster: ClusterConfig) -> None:
 
     if ray.is_initialized():
         return
+    # workers' stderr still reaches the console (a rank's traceback must); its known noise is filtered in
+    # the worker (rlsys.telemetry.noise), and Ray's own INFO banner only shows with RLSYS_VERBOSE=1
+    quiet = dict(log_to_driver=True, logging_level=logging.INFO if verbose() else logging.WARNING)
     if cluster.ray_address:
-        ray.init(address=cluster.ray_address, log_to_driver=True)
+        ray.init(address=cluster.ray_address, **quiet)
     else:
         # a CPU run reserves devices_per_node CPUs for its ranks and engines, even on a smaller machine
         cpus = max(os.cpu_count() or 1, cluster.devices_per_node)
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+        ray.init(num_cpus=cpus, include_dashboard=False, **quiet)
 
 
 def prepare_model_dir(model: ModelConfig, out_dir: str, tokenizer, seed: int) -> str:
@@ -48,21 +54,28 @@ def prepare_model_dir(model: ModelConfig, out_dir: str, tokenizer, seed: int) ->
     return target
 
 
-def role_spec(cfg: RunConfig, role: str, model_dir: str, total_steps: int) -> dict:
-    """Everything a rank of ``role`` needs to build its model (sent to every rank)."""
-    role_cfg = getattr(cfg, role)
+def role_spec(cfg: RunConfig, role: str, model_dir: str, total_steps: int) -> RoleSpec:
+    """Everything a rank of ``role`` needs to build its model (the same for every rank)."""
     world = role_world_sizes(cfg)[role]
     threads = max(1, (os.cpu_count() or 1) // max(world, 1)) if cfg.cluster.device == "cpu" else 4
-    return {
-        "world": world,
-        "device": cfg.cluster.device,
-        "role_cfg": role_cfg,
-        "algo": cfg.algorithm,
-        "dtype": cfg.model.dtype,
-        "seed": cfg.trainer.seed,
-        "total_steps": total_steps,
-        "vocab_divisible_by": cfg.model.make_vocab_size_divisible_by,
-        "temperature": cfg.rollout.sampling.temperature or 1.0,
-        "hf_dir": model_dir,
-        "threads": threads,
-    }
+    return RoleSpec(
+        role=role,
+        world=world,
+        device=cfg.cluster.device,
+        hf_dir=model_dir,
+        role_cfg=getattr(cfg, role),
+        objective=_objective(cfg, role),
+        dtype=cfg.model.dtype,
+        seed=cfg.trainer.seed,
+        total_steps=total_steps,
+        vocab_divisible_by=cfg.model.make_vocab_size_divisible_by,
+        temperature=cfg.rollout.sampling.temperature or 1.0,
+        threads=threads,
+    )
+
+
+def _objective(cfg: RunConfig, role: str) -> PolicyObjective | ValueObjective | None:
+    """Only what the role's update reads: the reference model trains nothing."""
+    if role == "actor":
+        return PolicyObjective.of(cfg.algorithm)
+    return ValueObjective.of(cfg.algorithm) if role == "critic" else None

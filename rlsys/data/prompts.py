@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 from rlsys.config import DataConfig, ModelConfig
+from rlsys.data.dataset import Prompt
 
 
 class PromptSource:
@@ -35,23 +36,25 @@ class PromptSource:
             self.eval_dataset = PromptDataset.from_config(data, self.tokenizer, "eval", seed)
             self.sampler = EpochSampler(len(self.dataset), seed=seed, shuffle=data.shuffle)
 
-    def _tokenized(self, items: list[dict]) -> list[dict]:
-        return [dict(it, prompt_ids=self.tokenizer.encode(it["prompt"])) for it in items]
+    def _tokenized(self, items: list[dict]) -> list[Prompt]:
+        return [
+            Prompt(i, it["prompt"], self.tokenizer.encode(it["prompt"]), it["answer"], it) for i, it in enumerate(items)
+        ]
 
-    def next_batch(self) -> list[dict]:
-        """``{"prompt", "answer", "prompt_ids"}`` for the next ``prompts_per_step`` prompts."""
+    def next_batch(self) -> list[Prompt]:
+        """The next ``prompts_per_step`` prompts, tokenized."""
         self.batches += 1
         if self.task is not None:
             rng = random.Random(f"{self.seed}/train/{self.batches}")
             return self._tokenized(self.task.sample(self.batch_size, rng, "train"))
-        return [_item(self.dataset[i]) for i in self.sampler.next_batch(self.batch_size)]
+        return [self.dataset[i] for i in self.sampler.next_batch(self.batch_size)]
 
-    def eval_items(self) -> list[dict]:
+    def eval_items(self) -> list[Prompt]:
         if self.task is not None:
             return self._tokenized(self.task.eval_set(self.cfg.eval_prompts))
         if self.eval_dataset is None:
             return []
-        return [_item(self.eval_dataset[i]) for i in range(min(self.cfg.eval_prompts, len(self.eval_dataset)))]
+        return [self.eval_dataset[i] for i in range(min(self.cfg.eval_prompts, len(self.eval_dataset)))]
 
     def state_dict(self) -> dict:
         state = {"batches": self.batches}
@@ -63,7 +66,3 @@ class PromptSource:
         self.batches = state["batches"]
         if self.dataset is not None:
             self.sampler.load_state_dict(state["sampler"])
-
-
-def _item(prompt) -> dict:
-    return {"prompt": prompt.text, "answer": prompt.answer, "prompt_ids": list(prompt.ids)}

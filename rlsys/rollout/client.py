@@ -18,7 +18,7 @@ from typing import Any
 import requests
 
 from rlsys.rollout import protocol
-from rlsys.rollout.protocol import GenerateOutput
+from rlsys.rollout.protocol import Sample
 
 
 class EngineError(RuntimeError):
@@ -197,7 +197,7 @@ class EngineClient:
         rids: Sequence[str] | None = None,
         return_logprob: bool = True,
         timeout_s: float | None = None,
-    ) -> list[GenerateOutput]:
+    ) -> list[Sample]:
         """Generate for a batch of prompts (token id lists, or strings) in one request.
 
         Returns ``len(prompts) * n`` outputs, prompt-major, with ``prompt_index`` into ``prompts``.
@@ -228,7 +228,7 @@ class EngineClient:
         *,
         prompts_per_request: int = 64,
         timeout_s: float | None = None,
-    ) -> list[GenerateOutput]:
+    ) -> list[Sample]:
         """``generate`` for a large batch: split into requests of at most ``prompts_per_request`` prompts,
         sent concurrently (up to ``max_workers`` at once). Same output order as ``generate``."""
         starts = range(0, len(prompts), prompts_per_request)

@@ -16,12 +16,16 @@ Every engine bound beyond loopback gets an API key (``--api-key``; clients send 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
 import secrets
 import subprocess
 import sys
+import tempfile
+import time
+import urllib.request
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -190,6 +194,47 @@ def local_cpu_sglang(
         skip_tokenizer_init=skip_tokenizer_init,
     )
     return ServerProcess(cmd, f"http://127.0.0.1:{port}", log_file=log_file, name=f"sglang[{index}]", stop_grace_s=5)
+
+
+def launch_cpu_engine(
+    model_path: str,
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    dtype: str = "auto",
+    seed: int = 0,
+    weight_version: str = "default",
+    extra_args: tuple[str, ...] = (),
+    timeout_s: float = 120.0,
+    env: dict | None = None,
+) -> tuple[subprocess.Popen, str]:
+    """Start rlsys's CPU engine on this machine and wait until ``/health`` answers; returns ``(process, url)``.
+
+    For tests and benchmarks (a run's engines come from ``start_engines``). Its output goes to the file
+    ``process.log_path``; the caller terminates the process.
+    """
+    port = free_port(host) if port is None else port
+    fd, log_path = tempfile.mkstemp(prefix="rlsys-cpu-engine-", suffix=".log")
+    cmd = [sys.executable, "-m", "rlsys.rollout.cpu.server", "--model-path", model_path, "--host", host]
+    cmd += ["--port", str(port), "--dtype", dtype, "--seed", str(seed), "--weight-version", weight_version]
+    with os.fdopen(fd, "w") as log:
+        proc = subprocess.Popen([*cmd, *extra_args], stdout=log, stderr=subprocess.STDOUT, env=env or os.environ.copy())
+    proc.log_path = log_path
+    url, deadline = f"http://{host}:{port}", time.time() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the CPU engine exited with code {proc.returncode}:\n{_tail(log_path)}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=2) as r:
+            if r.status == 200:
+                return proc, url
+        if time.time() > deadline:
+            proc.kill()
+            raise TimeoutError(f"the CPU engine did not answer /health within {timeout_s:.0f}s:\n{_tail(log_path)}")
+        time.sleep(0.2)
+
+
+def _tail(path: str, n: int = 40) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-n:])
 
 
 def cpu_engine_command(model_dir: str, seed: int, host: str, port: int, api_key: str | None = None) -> list:

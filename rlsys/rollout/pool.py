@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from rlsys.rollout import protocol
 from rlsys.rollout.client import EngineClient, EngineError
 from rlsys.rollout.process import ServerError, ServerProcess
-from rlsys.rollout.protocol import GenerateOutput
+from rlsys.rollout.protocol import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class EnginePool:
 
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: dict, *, timeout_s: float | None = None
-    ) -> list[GenerateOutput]:
+    ) -> list[Sample]:
         """``len(prompts) * n`` outputs, prompt-major, ``prompt_index`` into ``prompts`` (as one engine would)."""
         if not prompts:
             return []
@@ -145,7 +145,7 @@ class EnginePool:
         # SamplingConfig.reproducible): offsetting by the chunk's first prompt keeps every sample's stream
         # distinct and independent of how prompts are split into requests
         params = [sampling if seed is None else dict(sampling, sampling_seed=seed + start * n) for start, _ in chunks]
-        results: dict[int, list[GenerateOutput]] = {}
+        results: dict[int, list[Sample]] = {}
         pending = list(range(len(chunks)))
         for attempt in range(self.max_retries + 1):
             futures = {}

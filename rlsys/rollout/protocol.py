@@ -127,18 +127,26 @@ def sampling_params(
     return params
 
 
-def sampling_params_from_config(cfg, **overrides: Any) -> dict:
-    """``sampling_params`` from an ``rlsys.config.SamplingConfig``; ``overrides`` win (e.g. ``n=1`` for eval)."""
-    args = {
-        "temperature": cfg.temperature,
-        "top_p": cfg.top_p,
-        "top_k": cfg.top_k,
-        "max_new_tokens": cfg.max_new_tokens,
-        "stop": list(cfg.stop),
-        "n": cfg.n,
-    }
-    args.update(overrides)
-    return sampling_params(**args)
+def sampling_params_from_config(
+    cfg, stop_token_ids: Sequence[int] = (), *, greedy: bool = False, seed: int | None = None
+) -> dict:
+    """``sampling_params`` of the rollout's requests, from an ``rlsys.config.SamplingConfig``.
+
+    ``greedy``: one temperature-0 sample per prompt (evaluation). ``seed`` is sent as ``sampling_seed``
+    only with ``cfg.reproducible`` (see its comment) and never for greedy requests, which need none.
+    """
+    params = sampling_params(
+        temperature=0.0 if greedy else cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        max_new_tokens=cfg.max_new_tokens,
+        stop=list(cfg.stop),
+        stop_token_ids=stop_token_ids,
+        n=1 if greedy else cfg.n,
+    )
+    if seed is not None and cfg.reproducible and not greedy:
+        params["sampling_seed"] = int(seed)
+    return params
 
 
 def generate_payload(
@@ -186,8 +194,9 @@ def generate_payload(
 
 
 @dataclass
-class GenerateOutput:
-    """One sampled completion from a ``/generate`` reply."""
+class Sample:
+    """One sampled completion from a ``/generate`` reply: what the rollout stage hands on, and what a
+    saved rollout batch holds."""
 
     prompt_index: int  # index of its prompt in the request (samples of a prompt are consecutive)
     prompt_ids: list[int] | None  # the prompt's token ids when known (sent as input_ids, or returned)
@@ -205,8 +214,8 @@ class GenerateOutput:
 
 def parse_generate_response(
     body: Any, *, n: int = 1, prompt_ids: Sequence[Sequence[int]] | None = None
-) -> list[GenerateOutput]:
-    """Parse a ``/generate`` reply into one ``GenerateOutput`` per sample, in reply order.
+) -> list[Sample]:
+    """Parse a ``/generate`` reply into one ``Sample`` per sample, in reply order.
 
     ``n`` is the number of samples per prompt of the request, to recover each sample's prompt; pass
     ``prompt_ids`` (the request's prompts, as a list) to attach them. Raises ``ValueError`` when the
@@ -229,7 +238,7 @@ def parse_generate_response(
     return outputs
 
 
-def _parse_one(item: dict, i: int) -> GenerateOutput:
+def _parse_one(item: dict, i: int) -> Sample:
     meta = item["meta_info"]
     output_ids = item.get("output_ids")
     logprobs = None
@@ -256,7 +265,7 @@ def _parse_one(item: dict, i: int) -> GenerateOutput:
     spans = [(str(s["version"]), int(s["start"]), int(s["end"])) for s in meta.get("weight_versions") or []]
     version = meta.get("weight_version")
     prompt = item.get("prompt_token_ids")
-    return GenerateOutput(
+    return Sample(
         prompt_index=0,
         prompt_ids=[int(t) for t in prompt] if prompt is not None else None,
         output_ids=[int(t) for t in output_ids],

@@ -24,6 +24,7 @@ import secrets
 import tempfile
 from typing import Any
 
+from rlsys.config import LoggingConfig
 from rlsys.errors import UserError
 
 logger = logging.getLogger("rlsys.metrics")
@@ -55,23 +56,6 @@ REQUIRED_KEYS = [
     "time/step_s",
     "throughput/tokens_per_s",
 ]
-
-# Logging settings this package reads that LoggingConfig does not have yet, with their defaults.
-# ``setting`` falls back to these, so the package works before and after the fields are added.
-PROPOSED_DEFAULTS: dict[str, Any] = {
-    "progress": "auto",  # auto: a bar on a terminal, one plain line per step otherwise (CI logs)
-    "sample_every": 10,  # steps between printed sample generations; 0 = never
-    "num_samples": 2,  # generations printed and stored each time
-    "sample_max_chars": 400,  # per printed prompt/response; samples.jsonl keeps the full text
-    "wandb_entity": None,
-    "wandb_run_name": None,  # None = wandb's generated name
-}
-
-
-def setting(cfg: Any, name: str) -> Any:
-    """``cfg.<name>``, or its proposed default while ``LoggingConfig`` lacks the field."""
-    return getattr(cfg, name, PROPOSED_DEFAULTS[name])
-
 
 # ------------------------------------------------------------------ JSONL files
 
@@ -159,7 +143,7 @@ class MetricsLogger:
     ``log`` so that ``resume`` can still choose what they keep.
     """
 
-    def __init__(self, output_dir: str, cfg: Any, run_config: dict | None = None):
+    def __init__(self, output_dir: str, cfg: LoggingConfig, run_config: dict | None = None):
         self.output_dir = output_dir
         self.cfg = cfg
         self.run_config = run_config
@@ -253,8 +237,8 @@ class MetricsLogger:
         atomic_write(id_path, run_id + "\n")
         run = wandb.init(
             project=self.cfg.wandb_project,
-            entity=setting(self.cfg, "wandb_entity"),
-            name=setting(self.cfg, "wandb_run_name"),
+            entity=self.cfg.wandb_entity,
+            name=self.cfg.wandb_run_name,
             mode=self.cfg.wandb_mode,
             dir=self.output_dir,
             id=run_id,

@@ -20,7 +20,8 @@ import sys
 import time
 from typing import Any, TextIO
 
-from rlsys.telemetry.metrics import setting, truncate_jsonl
+from rlsys.config import LoggingConfig
+from rlsys.telemetry.metrics import truncate_jsonl
 
 SAMPLES_FILE = "samples.jsonl"
 PHASES = [("rollout", "time/rollout_s"), ("reward", "time/reward_s"), ("logprob", "time/logprob_s")]
@@ -81,14 +82,16 @@ class ProgressReporter:
     Create it on the driver (rank 0) only. ``stream`` defaults to stdout.
     """
 
-    def __init__(self, total_steps: int, output_dir: str, cfg: Any, start_step: int = 0, stream: TextIO | None = None):
+    def __init__(
+        self, total_steps: int, output_dir: str, cfg: LoggingConfig, start_step: int = 0, stream: TextIO | None = None
+    ):
         self.total_steps = total_steps
         self.cfg = cfg
         self.start_step = start_step
         self.stream = stream if stream is not None else sys.stdout
         self.samples_path = os.path.join(output_dir, SAMPLES_FILE)
         self._started = time.monotonic()
-        mode = setting(cfg, "progress")
+        mode = cfg.progress
         if mode not in ("auto", "bar", "plain", "off"):
             raise ValueError(f"logging.progress must be auto, bar, plain or off, not {mode!r}")
         if mode == "auto":
@@ -122,13 +125,13 @@ class ProgressReporter:
 
     def should_sample(self, step: int) -> bool:
         """Whether ``samples`` wants this step's generations (so the caller can skip collecting them)."""
-        every = setting(self.cfg, "sample_every")
+        every = self.cfg.sample_every
         return every > 0 and step % every == 0
 
     def samples(self, step: int, rows: list[dict]) -> None:
         """Print the first ``logging.num_samples`` of ``rows`` (dicts with ``prompt``, ``response``,
         ``reward`` and any extra fields) shortened, and append them in full to ``samples.jsonl``."""
-        rows = rows[: setting(self.cfg, "num_samples")]
+        rows = rows[: self.cfg.num_samples]
         if not rows:
             return
         with open(self.samples_path, "a", encoding="utf-8") as f:
@@ -136,7 +139,7 @@ class ProgressReporter:
                 f.write(json.dumps({"step": step, **row}, default=str) + "\n")
         if self.mode == "off":
             return
-        limit = setting(self.cfg, "sample_max_chars")
+        limit = self.cfg.sample_max_chars
         lines = [f"--- samples at step {step} ---"]
         for i, row in enumerate(rows):
             reward = row.get("reward")

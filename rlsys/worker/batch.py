@@ -13,6 +13,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Every per-response-token field a batch carries between the controller's stages and the ranks' losses.
+FIELDS = {
+    "rollout_logp": "log-probs the engine sampled with (stage 2)",
+    "old_logp": "the actor's log-probs before the update (stage 4)",
+    "ref_logp": "the reference model's log-probs, for the KL term (stage 4)",
+    "values": "the critic's values before the update (stage 4)",
+    "advantages": "per-token advantages (stage 5)",
+    "returns": "the critic's regression targets (stage 5, ppo)",
+    "rollout_weights": "train/inference mismatch importance weights (stage 5, algorithm.mismatch)",
+    "loss_mask": "1 where a token is trained on: mismatch rejection, multi-turn tool output (stage 5)",
+}
+
 
 @dataclass
 class TrainBatch:
@@ -33,6 +45,8 @@ class TrainBatch:
             self._check_field(name, values)
 
     def _check_field(self, name: str, values: Sequence[torch.Tensor]) -> None:
+        if name not in FIELDS:
+            raise ValueError(f"unknown batch field {name!r}; the fields are {', '.join(FIELDS)} (rlsys.worker.batch)")
         if len(values) != len(self):
             raise ValueError(f"field {name!r} has {len(values)} entries for {len(self)} samples")
         for i, (v, n) in enumerate(zip(values, self.response_lengths)):

@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from rlsys.worker.spec import RoleSpec
+
 _RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 _driver_env: dict | None = None  # the process's rendezvous variables before the first rank joined
 
@@ -23,48 +25,37 @@ class RankWorker:
         host = node_address()
         return host, free_port(host)
 
-    def init(self, role: str, rank: int, world: int, master: tuple[str, int], spec: dict) -> dict:
+    def init(self, rank: int, master: tuple[str, int], spec: RoleSpec) -> dict:
         """Join the role's process group, build the topology and the model from ``spec``."""
         from rlsys.megatron.topology import build_topology, init_distributed
+        from rlsys.telemetry.noise import quiet_libraries
 
+        quiet_libraries()  # before megatron's modules import and warn
         global _driver_env
         if _driver_env is None:  # in the no-Ray mode this is the driver's process: shutdown() gives it back
             _driver_env = {k: os.environ.get(k) for k in _RENDEZVOUS_ENV}
+        world = spec.world
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank), WORLD_SIZE=str(world))
         os.environ.setdefault("LOCAL_RANK", str(rank))
-        torch.set_num_threads(spec.get("threads", 1))  # ranks share the host's cores
-        init_distributed(spec["device"])
-        p = spec["role_cfg"].parallel
-        self.role = role
-        self.topo = build_topology(
-            tp=p.tp,
-            pp=p.pp,
-            cp=p.cp,
-            ep=p.ep,
-            etp=p.etp,
-            vpp=p.vpp,
-            sequence_parallel=p.sequence_parallel,
-            device=spec["device"],
-            seed=spec["seed"],
-        )
-        common = dict(
-            dtype=spec["dtype"],
-            total_steps=spec["total_steps"],
-            vocab_divisible_by=spec["vocab_divisible_by"],
-        )
+        torch.set_num_threads(spec.threads)  # ranks share the host's cores
+        init_distributed(spec.device)
+        p = spec.role_cfg.parallel
+        self.role = role = spec.role
+        self.topo = build_topology(p, device=spec.device, seed=spec.seed)
+        common = dict(dtype=spec.dtype, total_steps=spec.total_steps, vocab_divisible_by=spec.vocab_divisible_by)
         if role == "critic":
             from rlsys.worker.critic import build_critic_worker
 
-            self.worker = build_critic_worker(spec["hf_dir"], self.topo, spec["role_cfg"], spec["algo"], **common)
+            self.worker = build_critic_worker(spec.hf_dir, self.topo, spec.role_cfg, spec.objective, **common)
         else:
             from rlsys.worker.actor import build_policy_worker
 
             self.worker = build_policy_worker(
-                spec["hf_dir"],
+                spec.hf_dir,
                 self.topo,
-                spec["role_cfg"],
-                spec["algo"],
-                temperature=spec["temperature"],
+                spec.role_cfg,
+                spec.objective,
+                temperature=spec.temperature,
                 trainable=role == "actor",
                 **common,
             )

@@ -26,14 +26,18 @@ ONE_RANK = [
 ]
 ALGORITHMS = {
     "dapo": [
-        "algorithm.dynamic_sampling.enabled=true",
-        "algorithm.overlong.enabled=true",
-        "algorithm.overlong.buffer_length=2",
-        "algorithm.loss_agg_mode=token-mean",
+        "algorithm.filters.dynamic_sampling.enabled=true",
+        "algorithm.filters.overlong.enabled=true",
+        "algorithm.filters.overlong.buffer_length=2",
+        "algorithm.loss.agg_mode=token-mean",
     ],
-    "gspo": ["algorithm.clip_low=0.0003", "algorithm.clip_high=0.0004", "algorithm.loss_agg_mode=seq-mean-token-mean"],
+    "gspo": [
+        "algorithm.loss.clip_low=0.0003",
+        "algorithm.loss.clip_high=0.0004",
+        "algorithm.loss.agg_mode=seq-mean-token-mean",
+    ],
     # KL folded into the reward needs the reference model
-    "reinforce_pp": ["ref.enabled=true", "algorithm.kl_coef=0.01", "algorithm.use_kl_loss=false"],
+    "reinforce_pp": ["ref.enabled=true", "algorithm.kl.coef=0.01", "algorithm.kl.use_loss=false"],
     "rloo": ["trainer.eval_every=2"],  # and the greedy held-out evaluation
 }
 
@@ -101,7 +105,7 @@ def test_colocated_turns_offload_release_and_critic_warmup(tmp_path):
         2,
         "algorithm.name=ppo",
         "critic.enabled=true",
-        "algorithm.critic_warmup_steps=1",
+        "algorithm.schedule.critic_warmup_steps=1",
         "actor.offload=true",
         "critic.offload=true",
         "rollout.release_memory=true",

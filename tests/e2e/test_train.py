@@ -54,7 +54,13 @@ def test_grpo_steps_and_resume_reproduces_the_next_step(tmp_path):
 
 def test_ppo_with_critic(tmp_path):
     history, _ = run(
-        tmp_path, "ppo", 2, "algorithm.name=ppo", "critic.enabled=true", "trainer.export_hf=false", "algorithm.lam=0.95"
+        tmp_path,
+        "ppo",
+        2,
+        "algorithm.name=ppo",
+        "critic.enabled=true",
+        "trainer.export_hf=false",
+        "algorithm.advantage.lam=0.95",
     )
     check_steps(history)
     assert all("critic/vf_loss" in m for m in history)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlsys.architectures.hf_config import SUPPORTED_MODEL_TYPES
-from rlsys.rollout.cpu.generate import Gate, Generator, Sample, SamplingParams
+from rlsys.rollout.cpu.generate import Gate, Generator, Request, SamplingParams
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [7, 8], [5], [3, 1, 4, 1, 5, 9, 2, 6]]  # mixed lengths: left padding
 
@@ -39,7 +39,7 @@ def samples(params, prompts=PROMPTS, copies=2, seed=100, **kw):
     """``copies`` samples per prompt, each with its own seed; ``params`` one dict or one per prompt."""
     per = params if isinstance(params, list) else [params] * len(prompts)
     return [
-        Sample(f"r{k}", p, SamplingParams.parse(per[k % len(prompts)]), seed + k, return_logprob=True, **kw)
+        Request(f"r{k}", p, SamplingParams.parse(per[k % len(prompts)]), seed + k, return_logprob=True, **kw)
         for k, p in enumerate(prompts * copies)
     ]
 

@@ -19,7 +19,7 @@ from rlsys.telemetry.plot import plot_run
 
 
 def _cfg(**fields):
-    """A LoggingConfig with fields set, the proposed ones (progress, sample_every...) included."""
+    """A LoggingConfig with ``fields`` set."""
     cfg = LoggingConfig()
     for name, value in fields.items():
         setattr(cfg, name, value)

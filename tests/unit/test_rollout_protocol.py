@@ -143,7 +143,12 @@ def test_sampling_params_from_config():
         "n": 8,
         "stop": ["</answer>"],
     }
-    assert protocol.sampling_params_from_config(cfg, n=1, temperature=0.0)["n"] == 1
+    greedy = protocol.sampling_params_from_config(cfg, [2], greedy=True, seed=7)
+    assert (greedy["n"], greedy["temperature"], greedy["stop_token_ids"]) == (1, 0.0, [2])
+    assert "sampling_seed" not in greedy  # greedy needs no seed
+    assert "sampling_seed" not in protocol.sampling_params_from_config(cfg, seed=7)  # not reproducible
+    cfg.reproducible = True
+    assert protocol.sampling_params_from_config(cfg, seed=7)["sampling_seed"] == 7
 
 
 def test_parse_recorded_reply():

@@ -1,8 +1,8 @@
-"""The loop's weight sync when an engine dies during it (``rlsys.controller.loop.sync_or_recover``)."""
+"""The loop's weight sync when an engine dies during it (``rlsys.controller.weights.sync_or_recover``)."""
 
 import pytest
 
-from rlsys.controller.loop import sync_or_recover
+from rlsys.controller.weights import sync_or_recover
 
 
 class Actor:

@@ -102,7 +102,7 @@ class SamplingParams:
 
 
 @dataclass
-class Sample:
+class Request:
     """One sequence to generate: a prompt with its own parameters, seed and logprob options."""
 
     rid: str
@@ -115,7 +115,7 @@ class Sample:
     aborted: bool = False  # set by /abort_request or /pause_generation(mode="abort")
 
 
-def parse_request(body: dict, tokenizer, next_seed) -> tuple[list[Sample], bool, bool]:
+def parse_request(body: dict, tokenizer, next_seed) -> tuple[list[Request], bool, bool]:
     """``GenerateReqInput`` JSON → ``(samples, is_single, text_in_logprobs)``. ``next_seed()`` draws a seed."""
     if body.get("stream"):
         raise ValueError("stream=True is not supported by the CPU engine")
@@ -152,7 +152,7 @@ def parse_request(body: dict, tokenizer, next_seed) -> tuple[list[Sample], bool,
             # one stream per sample of the request: prompts sharing s + j would share their random draws
             seed = p.sampling_seed + i * p.n + j if p.sampling_seed is not None else next_seed()
             rid = rids[i] if rids[i] and p.n == 1 else uuid.uuid4().hex  # SGLang gives each of n samples a new rid
-            samples.append(Sample(rid, prompt, p, seed, bool(want_lp[i]), int(start[i]), int(top[i] or 0)))
+            samples.append(Request(rid, prompt, p, seed, bool(want_lp[i]), int(start[i]), int(top[i] or 0)))
     is_single = is_single and params[0].n == 1
     return samples, is_single, bool(body.get("return_text_in_logprobs"))
 
@@ -196,19 +196,19 @@ class Generator:
         out = self.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=keep)
         return out.logits[0].float(), out.past_key_values
 
-    def check(self, s: Sample) -> None:
+    def check(self, s: Request) -> None:
         if len(s.prompt_ids) >= self.context_len:
             raise ValueError(f"the prompt has {len(s.prompt_ids)} tokens; the model's context is {self.context_len}")
         if not all(0 <= t < self.vocab_size for t in s.prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
 
-    def _limits(self, s: Sample) -> tuple[int, set[int]]:
+    def _limits(self, s: Request) -> tuple[int, set[int]]:
         """``(max_new, stop_ids)``: the token budget within the context, and the ids that end the sample."""
         limit = self.context_len - len(s.prompt_ids)
         max_new = limit if s.params.max_new_tokens is None else min(s.params.max_new_tokens, limit)
         return max_new, set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else self.eos_ids)
 
-    def run(self, s: Sample, between_tokens) -> dict:
+    def run(self, s: Request, between_tokens) -> dict:
         """Generate one sample. ``between_tokens(s)`` returns "continue", "recompute" (retract: the KV cache
         is rebuilt with the current weights) or "abort"."""
         tic, prompt = time.time(), s.prompt_ids
@@ -231,14 +231,14 @@ class Generator:
                 self._step(q, logits[-1])
         return self._response(s, q.out, q.lps, q.tops, input_lps, q.finish, time.time() - tic)
 
-    def can_batch(self, s: Sample) -> bool:
+    def can_batch(self, s: Request) -> bool:
         """Whether ``run_batch`` serves this sample. Sequential ``run`` instead for input log-probs
         (``return_logprob`` with ``logprob_start_len >= 0``: they need the logits at every prompt position, which
         the padded prefill would have to unpad, and recompute again after a retract) and for models whose
         ``forward`` takes no ``attention_mask`` or ``position_ids`` (left padding needs both)."""
         return self.batchable and not (s.return_logprob and s.logprob_start_len >= 0)
 
-    def run_all(self, samples: list[Sample], between_tokens) -> list[dict]:
+    def run_all(self, samples: list[Request], between_tokens) -> list[dict]:
         """The responses to a request's samples, in order: those ``can_batch`` takes as one batch, then the
         others one at a time."""
         batched = [i for i, s in enumerate(samples) if self.can_batch(s)] if len(samples) > 1 else []
@@ -247,7 +247,7 @@ class Generator:
             results[i] = resp
         return [r if r is not None else self.run(s, between_tokens) for s, r in zip(samples, results)]
 
-    def run_batch(self, samples: list[Sample], between_tokens) -> list[dict]:
+    def run_batch(self, samples: list[Request], between_tokens) -> list[dict]:
         """Generate several samples together; each follows ``run``'s rules with its own seed and parameters.
 
         Before every forward, ``between_tokens`` is called once for each unfinished sample, in order, from this
@@ -336,7 +336,7 @@ class Generator:
                     return {"type": "stop", "matched": stop}
         return None
 
-    def _input_logprobs(self, logits: torch.Tensor, s: Sample) -> list:
+    def _input_logprobs(self, logits: torch.Tensor, s: Request) -> list:
         lp = torch.log_softmax(logits / s.params.temperature, dim=-1)
         start, ids = s.logprob_start_len, s.prompt_ids
         vals = [None if i == 0 else float(lp[i - 1, ids[i]]) for i in range(start, len(ids))]
@@ -344,7 +344,7 @@ class Generator:
         tops = [None if i == 0 or k <= 0 else _top(lp[i - 1], k) for i in range(start, len(ids))]
         return [vals, ids[start:], tops]
 
-    def _response(self, s: Sample, out, lps, tops, input_lps, finish, latency) -> dict:
+    def _response(self, s: Request, out, lps, tops, input_lps, finish, latency) -> dict:
         meta = {
             "id": s.rid,
             "finish_reason": finish,
@@ -385,7 +385,7 @@ class Generator:
 class _Seq:
     """A sample's state while it is generated (``Generator.run`` and ``run_batch``)."""
 
-    s: Sample
+    s: Request
     gen: torch.Generator
     max_new: int
     stop_ids: set[int]

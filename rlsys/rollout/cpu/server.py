@@ -22,18 +22,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import math
 import os
 import random
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -82,7 +75,7 @@ class CPUEngine:
         self.generator = Generator(self.model, self.tokenizer, context_len)
         self.gate = Gate()
         self.groups: dict[str, dist.ProcessGroup] = {}
-        self.live: dict[str, object] = {}  # rid -> Sample being generated
+        self.live: dict[str, object] = {}  # rid -> Request being generated
         self.seeds, self.seed_lock = random.Random(args.seed), threading.Lock()
         self.cpu_backup = args.enable_weights_cpu_backup
         self.released: dict | None = None  # param name -> (backup tensor or None, shape, dtype)
@@ -480,49 +473,6 @@ def main(argv=None) -> None:
         build_app(engine, args.api_key), host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=2
     )
     os._exit(0)  # worker threads may be blocked in a rendezvous or broadcast: do not wait for them
-
-
-def launch_cpu_engine(
-    model_path: str,
-    port: int | None = None,
-    host: str = "127.0.0.1",
-    dtype: str = "auto",
-    seed: int = 0,
-    weight_version: str = "default",
-    extra_args: tuple[str, ...] = (),
-    timeout_s: float = 120.0,
-    env: dict | None = None,
-) -> tuple[subprocess.Popen, str]:
-    """Start a CPU engine process and wait until ``/health`` answers; returns ``(process, url)``.
-
-    Its output goes to the file ``process.log_path``; the caller terminates the process.
-    """
-    if port is None:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-    fd, log_path = tempfile.mkstemp(prefix="rlsys-cpu-engine-", suffix=".log")
-    cmd = [sys.executable, "-m", "rlsys.rollout.cpu.server", "--model-path", model_path, "--host", host]
-    cmd += ["--port", str(port), "--dtype", dtype, "--seed", str(seed), "--weight-version", weight_version]
-    with os.fdopen(fd, "w") as log:
-        proc = subprocess.Popen([*cmd, *extra_args], stdout=log, stderr=subprocess.STDOUT, env=env or os.environ.copy())
-    proc.log_path = log_path
-    url, deadline = f"http://{host}:{port}", time.time() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the CPU engine exited with code {proc.returncode}:\n{_tail(log_path)}")
-        with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=2) as r:
-            if r.status == 200:
-                return proc, url
-        if time.time() > deadline:
-            proc.kill()
-            raise TimeoutError(f"the CPU engine did not answer /health within {timeout_s:.0f}s:\n{_tail(log_path)}")
-        time.sleep(0.2)
-
-
-def _tail(path: str, n: int = 40) -> str:
-    with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-n:])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,60 @@
+"""When the run saves, resumes and exports: the actor (and critic) checkpoints under ``trainer.output_dir``.
+
+A rollout-only run trains nothing, so it has ``NoCheckpoints``: it starts at step 0 and saves nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+from rlsys.config import TrainerConfig
+from rlsys.worker.checkpoint import latest_checkpoint
+
+
+class Checkpoints:
+    """``checkpoints/`` holds the actor's, ``critic_checkpoints/`` the critic's, under the same step names."""
+
+    def __init__(self, cfg: TrainerConfig, actor, critic, turns):
+        self.cfg, self.actor, self.critic, self.turns = cfg, actor, critic, turns
+        self.actor_dir = os.path.join(cfg.output_dir, "checkpoints")
+        self.critic_dir = os.path.join(cfg.output_dir, "critic_checkpoints")
+
+    def resume(self) -> dict | None:
+        """Load the latest checkpoint when ``trainer.resume`` finds one: ``{"step", "extra"}``, else None."""
+        ckpt = latest_checkpoint(self.actor_dir) if self.cfg.resume else None
+        if ckpt is None:
+            return None
+        state = self.actor.load(ckpt, self.cfg.load_optimizer)
+        if self.critic is not None:
+            self.critic.load(os.path.join(self.critic_dir, os.path.basename(ckpt)), self.cfg.load_optimizer)
+        return state
+
+    def after_step(self, step: int, last_step: int, extra: dict) -> None:
+        every = self.cfg.save_every
+        if not ((every and step % every == 0) or step == last_step):
+            return
+        with self.turns.on_device(self.actor, self.critic):
+            if self.critic is not None:  # first, so an actor checkpoint always has its critic
+                self.critic.save(self.critic_dir, step, extra, self.cfg.keep_last)
+            self.actor.save(self.actor_dir, step, extra, self.cfg.keep_last)
+
+    def export(self) -> None:
+        """The final actor in HF format (``output_dir/hf_export``), when ``trainer.export_hf``."""
+        if not self.cfg.export_hf:
+            return
+        from rlsys.convert.cli import main as convert
+
+        ckpt = latest_checkpoint(self.actor_dir)
+        out = os.path.join(self.cfg.output_dir, "hf_export")
+        convert(["mcore-to-hf", "--mcore", ckpt, "--out", out, "--overwrite"])
+
+
+class NoCheckpoints:
+    def resume(self) -> None:
+        return None
+
+    def after_step(self, step: int, last_step: int, extra: dict) -> None:
+        pass
+
+    def export(self) -> None:
+        pass

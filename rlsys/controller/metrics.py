@@ -1,0 +1,51 @@
+"""A step's metrics, assembled once: timings, rewards, lengths, the engines' weight version, throughput."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+from rlsys.rollout.batch import RolloutBatch
+
+
+class Timer(dict):
+    """``with t("phase"):`` adds the block's wall time to ``t["time/phase_s"]``."""
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self[f"time/{phase}_s"] = self.get(f"time/{phase}_s", 0.0) + time.perf_counter() - start
+
+
+def step_metrics(step: int, rolled: RolloutBatch, t: Timer, learned: dict) -> dict:
+    """The metrics of step ``step``: its batch, its timings and what the learning stages reported."""
+    scores, samples = rolled.scores, rolled.samples
+    lengths = torch.tensor([len(s.output_ids) for s in samples], dtype=torch.float32)
+    tokens = sum(len(s.prompt_ids) + len(s.output_ids) for s in samples)
+    return {
+        "step": step,
+        "reward/mean": float(scores.mean()),
+        "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "rollout/weight_version": version_number({s.weight_version for s in samples}),
+        **rolled.metrics,
+        **t,
+        "throughput/tokens_per_s": tokens / max(t["time/step_s"], 1e-9),
+        **learned,
+    }
+
+
+def version_number(versions: set) -> float:
+    """The one weight version the samples were generated with; NaN if mixed or never synced ("default")."""
+    version = versions.pop() if len(versions) == 1 else None
+    return float(version) if isinstance(version, str) and version.isdigit() else float("nan")
+
+
+def sample_rows(rolled: RolloutBatch, tokenizer, k: int) -> list[dict]:
+    """The first ``k`` samples as printed and kept in ``samples.jsonl``."""
+    rows = list(zip(rolled.samples, rolled.texts, rolled.scores.tolist()))[:k]
+    return [{"prompt": tokenizer.decode(s.prompt_ids), "response": text, "reward": float(r)} for s, text, r in rows]

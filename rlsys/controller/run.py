@@ -1,0 +1,178 @@
+"""Building a run: every object ``loop.step`` uses, made once from the config, closed once.
+
+The three modes are three choices of objects, made here and nowhere else:
+
+===============  ==========================  ================  ================  ===============
+mode             batches from                Megatron roles    weight sync       checkpoints
+===============  ==========================  ================  ================  ===============
+full             ``EngineRollout`` (engines)  actor, ref, ...   ``EngineSync``    ``Checkpoints``
+rollout          ``EngineRollout``            none              ``NoSync``        ``NoCheckpoints``
+train            ``Replay`` (saved batches)   actor, ref, ...   ``NoSync``        ``Checkpoints``
+===============  ==========================  ================  ================  ===============
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from rlsys.algorithms import AdaptiveKLController, FixedKLController
+from rlsys.config import RunConfig, config_to_dict, releases_engine_memory
+from rlsys.controller.checkpoints import Checkpoints, NoCheckpoints
+from rlsys.controller.colocation import Turns
+from rlsys.controller.group import RoleGroup
+from rlsys.controller.placement import Placement
+from rlsys.controller.replay import Replay, rollout_dir
+from rlsys.controller.setup import prepare_model_dir, role_spec, start_ray
+from rlsys.controller.weights import EngineSync, NoSync
+from rlsys.data.prompts import PromptSource
+from rlsys.plan import enabled_roles, sync_transports
+from rlsys.rollout.batch import EngineRollout
+from rlsys.rollout.launch import start_engines
+
+MODES = ("full", "rollout", "train")
+
+
+@dataclass
+class Run:
+    cfg: RunConfig
+    prompts: PromptSource
+    source: EngineRollout | Replay
+    roles: dict[str, RoleGroup]  # enabled roles by name; none in rollout mode
+    turns: Turns
+    weights: EngineSync | NoSync
+    checkpoints: Checkpoints | NoCheckpoints
+    kl: AdaptiveKLController | FixedKLController
+    logger: object  # rlsys.telemetry.MetricsLogger
+    progress: object  # rlsys.telemetry.ProgressReporter
+    start: int  # the last step done before this run (a resumed checkpoint's step), 0 for a fresh one
+    last_step: int
+    engines: object = None  # rlsys.rollout.pool.EnginePool, closed with the run
+    placement: Placement | None = None
+    closers: list = field(default_factory=list)  # (on success, on failure or None), in building order
+
+    def steps(self) -> range:
+        return range(self.start + 1, self.last_step + 1)
+
+    def close(self, failed: bool = False) -> None:
+        """Release everything in reverse order of building. After a failure a rank may hang in a collective,
+        so role ranks are killed instead of asked to shut down; the devices must not stay taken."""
+        _close(self.closers, failed)
+
+
+def _close(closers: list, failed: bool) -> None:
+    errors = []
+    for on_success, on_failure in reversed(closers):
+        close = on_failure if failed else on_success
+        try:
+            if close is not None:
+                close()
+        except Exception as e:  # the rest must still be released
+            errors.append(e)
+    if errors and not failed:
+        raise errors[0]
+
+
+def build_run(cfg: RunConfig, mode: str = "full", replay_dir: str | None = None, use_ray: bool = True) -> Run:
+    """Start what ``mode`` needs (see the module docstring) and resume from the latest checkpoint."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be 'full', 'rollout' or 'train', got {mode!r}")
+    out_dir = cfg.trainer.output_dir
+    os.makedirs(out_dir, exist_ok=True)
+    closers: list = []
+    try:
+        return _build(cfg, mode, replay_dir, use_ray, closers)
+    except BaseException:
+        _close(closers, failed=True)
+        raise
+
+
+def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, closers: list) -> Run:
+    from rlsys.rewards.manager import RewardManager
+    from rlsys.telemetry.metrics import MetricsLogger
+    from rlsys.telemetry.progress import ProgressReporter
+
+    out_dir = cfg.trainer.output_dir
+    replay = Replay(replay_dir or rollout_dir(out_dir)) if mode == "train" else None
+    prompts = PromptSource(cfg.data, cfg.model, seed=cfg.trainer.seed)
+    model_dir = prepare_model_dir(cfg.model, out_dir, prompts.tokenizer, cfg.trainer.seed)
+    placement = None
+    if use_ray:  # one placement group: every rank and engine on its device (rlsys.controller.placement)
+        start_ray(cfg.cluster)
+        placement = Placement.create(cfg)
+        closers.append((placement.close, placement.close))
+
+    engines = source = None
+    if replay is None:
+        engines = start_engines(
+            cfg.rollout,
+            model_dir,
+            cfg.model.dtype,
+            cfg.trainer.seed,
+            f"{out_dir}/logs",
+            placement=placement,
+            device=cfg.cluster.device,
+            memory_saver=releases_engine_memory(cfg),
+        )
+        closers.append((engines.close, engines.close))
+        source = EngineRollout(
+            engines, prompts, RewardManager(cfg.reward), cfg.rollout.sampling, cfg.algorithm.filters, cfg.trainer.seed
+        )
+        closers.append((source.close, source.close))
+    else:
+        source = replay
+
+    roles = _start_roles(cfg, mode, model_dir, use_ray, placement, closers)
+    actor, critic = roles.get("actor"), roles.get("critic")
+    syncing = actor is not None and engines is not None
+    offloaded = {role for role in roles if getattr(cfg, role).offload}
+    turns = Turns(roles, offloaded, engines, releases_engine_memory(cfg) and syncing)
+    checkpoints = Checkpoints(cfg.trainer, actor, critic, turns) if actor is not None else NoCheckpoints()
+    kl = _kl_controller(cfg)
+    start, state = 0, checkpoints.resume()
+    if state is not None:
+        start = state["step"]
+        prompts.load_state_dict(state["extra"]["prompts"])
+        kl.beta = state["extra"].get("kl_coef", kl.beta)
+    weights = EngineSync(actor, engines, turns, version=start + 1) if syncing else NoSync()
+    if syncing:
+        actor.setup_sync(
+            engines.urls,
+            [cfg.rollout.tp] * len(engines.urls),
+            cfg.rollout.sync,
+            cfg.cluster.device,
+            cfg.rollout.weight_dtype,
+            engines.api_key,
+            sync_transports(cfg),
+        )
+    weights.start()
+
+    last_step = min(cfg.trainer.steps, len(replay.files)) if replay is not None else cfg.trainer.steps
+    logger = MetricsLogger(out_dir, cfg.logging, run_config=config_to_dict(cfg))
+    closers.append((logger.close, logger.close))
+    if start:
+        logger.resume(start)
+    progress = ProgressReporter(last_step, out_dir, cfg.logging, start_step=start)
+    closers.append((progress.close, progress.close))
+    return Run(
+        cfg, prompts, source, roles, turns, weights, checkpoints, kl, logger, progress, start, last_step,
+        engines, placement, closers,
+    )  # fmt: skip
+
+
+def _start_roles(cfg: RunConfig, mode: str, model_dir: str, use_ray: bool, placement, closers: list) -> dict:
+    if mode == "rollout":
+        return {}
+    s = cfg.algorithm.schedule
+    total_steps = cfg.trainer.steps * s.ppo_epochs * s.mini_batches_per_step  # optimizer steps, for the lr schedule
+    roles = {}
+    for role in enabled_roles(cfg):
+        spec = role_spec(cfg, role, model_dir, total_steps)
+        roles[role] = RoleGroup(spec, use_ray=use_ray, placement=placement)
+        closers.append((roles[role].shutdown, roles[role].kill))
+    return roles
+
+
+def _kl_controller(cfg: RunConfig):
+    kl = cfg.algorithm.kl
+    return AdaptiveKLController(kl.coef, kl.target, kl.horizon) if kl.target else FixedKLController(kl.coef)

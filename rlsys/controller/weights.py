@@ -1,0 +1,57 @@
+"""The engines' copy of the actor's weights: synced at the start, after every update, and into a
+restarted engine; ``NoSync`` where no engine serves the actor (``--train-only``, ``--rollout-only``)."""
+
+from __future__ import annotations
+
+import logging
+
+from rlsys.controller.colocation import Turns
+
+logger = logging.getLogger(__name__)
+
+
+class EngineSync:
+    """``version`` is the weight version the engines serve: the step whose rollout they generate next."""
+
+    def __init__(self, actor, engines, turns: Turns, version: int):
+        self.actor, self.engines, self.turns, self.version = actor, engines, turns, version
+
+    def start(self) -> None:
+        """The engines start from the HF files (or lag a resumed checkpoint): give them the actor's weights,
+        and do so again for an engine the pool restarts."""
+        self._resync()
+        self.engines.on_restart = self._resync
+
+    def _resync(self, restarted_engine=None) -> None:
+        with self.turns.weights_on_device(self.actor):
+            if restarted_engine is not None:
+                self.actor.reconnect_sync()
+            self.actor.sync_weights(self.version)
+
+    def after_update(self, step: int) -> dict:
+        """Stage 7: the engines serve the new policy for step ``step + 1``."""
+        self.turns.engine_weights_back()  # engines that released memory need room for their weights
+        self.version = step + 1
+        return sync_or_recover(self.actor, self.engines, self.version)
+
+
+class NoSync:
+    def start(self) -> None:
+        pass
+
+    def after_update(self, step: int) -> dict:
+        return {}
+
+
+def sync_or_recover(actor, engines, version: int) -> dict:
+    """The step's weight sync. When it fails because an engine died (killed, crashed), the pool restarts
+    that engine and its ``on_restart`` re-syncs every engine (the failed sync left the live ones paused,
+    with partly new weights); the run goes on. Any other failure is raised, with the engine's message."""
+    try:
+        return actor.sync_weights(version)
+    except Exception as error:
+        restarted = engines.check_and_restart()
+        if not restarted:
+            raise
+        logger.warning("weight sync %d failed (%s); restarted engines %s and re-synced them", version, error, restarted)
+        return {"sync/recovered_engines": float(len(restarted))}

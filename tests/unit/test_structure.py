@@ -1,0 +1,167 @@
+"""The package's shape, as rules a change must keep: no import cycles, modules and functions a reader can
+take in at once, rank-side code that never reaches for the controller.
+
+Imports are read from the source (``ast``), function-level ones included: a cycle hidden inside a
+function still makes two modules impossible to read or test apart. Imports under ``if TYPE_CHECKING:``
+are left out; they exist for annotations only and never run.
+"""
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "rlsys"
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    mods = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        mods[name] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, child.end_lineno + 1))
+    return lines
+
+
+def _imports(name: str, path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_lines(tree)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(_resolve(a.name) for a in node.names if a.name.startswith("rlsys"))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            if base.startswith("rlsys"):
+                for a in node.names:
+                    full = f"{base}.{a.name}"
+                    found.add(full if full in MODULES else _resolve(base))
+    found.discard(name)
+    return found
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _package(module: str) -> str:
+    """A module's (sub)package: ``rlsys.rollout.cpu.server`` -> ``rlsys.rollout.cpu``; top-level modules
+    are their own unit."""
+    if MODULES[module].name == "__init__.py":
+        return module
+    parent = module.rpartition(".")[0]
+    return parent if parent != "rlsys" else module
+
+
+def test_no_import_cycle_between_modules():
+    assert _cycles(GRAPH) == []
+
+
+def test_no_import_cycle_between_packages():
+    graph: dict[str, set[str]] = {}
+    for module, deps in GRAPH.items():
+        graph.setdefault(_package(module), set()).update(_package(d) for d in deps if _package(d) != _package(module))
+    assert _cycles(graph) == []
+
+
+def test_rank_side_code_never_imports_the_controller():
+    rank_side = ("rlsys.worker", "rlsys.megatron", "rlsys.sync", "rlsys.algorithms", "rlsys.architectures")
+    offenders = {
+        m: sorted(d for d in deps if d.startswith("rlsys.controller"))
+        for m, deps in GRAPH.items()
+        if m.startswith(rank_side)
+    }
+    assert {m: d for m, d in offenders.items() if d} == {}
+
+
+def test_architecture_tables_and_hf_io_do_not_import_megatron():
+    """The tables are data about HF and Megatron names; tools read them without building a model."""
+    offenders = {
+        m: sorted(d for d in deps if d.startswith(("rlsys.megatron", "rlsys.convert")))
+        for m, deps in GRAPH.items()
+        if m.startswith("rlsys.architectures")
+    }
+    assert {m: d for m, d in offenders.items() if d} == {}
+
+
+def test_modules_and_functions_fit_one_sitting():
+    """A function may be longer when its docstring says why ("long because ...")."""
+    too_long = []
+    for name, path in MODULES.items():
+        source = path.read_text()
+        if source.count("\n") > MAX_MODULE_LINES:
+            too_long.append(f"{name}: {source.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                reason = "long because" in (ast.get_docstring(node) or "").lower()
+                if lines > MAX_FUNCTION_LINES and not reason:
+                    too_long.append(f"{name}.{node.name}: {lines} lines")
+    assert too_long == []
+
+
+def test_the_loop_file_stays_short():
+    assert (ROOT / "controller" / "loop.py").read_text().count("\n") < 200
+
+
+def test_no_utils_module_and_no_stdlib_shadowing():
+    import sys
+
+    names = {p.stem for p in ROOT.rglob("*.py")} | {p.name for p in ROOT.rglob("*") if p.is_dir()}
+    assert not names & {"utils", "util", "helpers", "misc"}
+    top = {p.stem if p.is_file() else p.name for p in ROOT.iterdir() if p.suffix == ".py" or p.is_dir()}
+    assert not top & set(sys.stdlib_module_names)
