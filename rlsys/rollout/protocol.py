@@ -3,7 +3,7 @@
 The trainer never imports sglang (its releases pin their own torch and transformers), so this module is
 the whole contract between rlsys and an engine: SGLang itself, or rlsys's CPU engine, which serves the
 same API. Every payload below is a JSON object whose keys are fields of the SGLang class named in its
-docstring (``sglang.srt.managers.io_struct`` unless noted); ``tests/unit/test_sglang_contract.py``
+docstring (``sglang.srt.managers.io_struct`` unless noted); ``tests/contract/test_sglang_contract.py``
 rebuilds those classes from these payloads with the real sglang package.
 
 Why exact field names matter: SGLang's HTTP server turns a body into its msgspec request class through

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the SGLang contract environment used by tests/unit/test_sglang_contract.py.
+# Build the SGLang contract environment used by tests/contract/test_sglang_contract.py.
 #
 # SGLang pins its own (CUDA) torch and transformers, so it never goes into rlsys's venv. Its request
 # classes (sglang.srt.managers.io_struct) and HTTP schema (sglang.api.v1.api_types) only need a handful of

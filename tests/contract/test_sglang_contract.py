@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_rollout_protocol import (
+from sglang_recordings import (
     RECORDED_GENERATE_REPLY,
     RECORDED_MODEL_INFO,
     RECORDED_PROMPTS,
