@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rlsys.algorithms import AdaptiveKLController, FixedKLController
 from rlsys.config import RunConfig, config_to_dict, releases_engine_memory
@@ -30,6 +31,11 @@ from rlsys.plan import enabled_roles, sync_transports
 from rlsys.rollout.batch import EngineRollout
 from rlsys.rollout.launch import start_engines
 
+if TYPE_CHECKING:
+    from rlsys.rollout.pool import EnginePool
+    from rlsys.telemetry.metrics import MetricsLogger
+    from rlsys.telemetry.progress import ProgressReporter
+
 MODES = ("full", "rollout", "train")
 
 
@@ -43,11 +49,11 @@ class Run:
     weights: EngineSync | NoSync
     checkpoints: Checkpoints | NoCheckpoints
     kl: AdaptiveKLController | FixedKLController
-    logger: object  # rlsys.telemetry.MetricsLogger
-    progress: object  # rlsys.telemetry.ProgressReporter
+    logger: MetricsLogger
+    progress: ProgressReporter
     start: int  # the last step done before this run (a resumed checkpoint's step), 0 for a fresh one
     last_step: int
-    engines: object = None  # rlsys.rollout.pool.EnginePool, closed with the run
+    engines: EnginePool | None = None  # closed with the run
     placement: Placement | None = None
     closers: list = field(default_factory=list)  # (on success, on failure or None), in building order
 
