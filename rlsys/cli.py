@@ -54,7 +54,7 @@ def _cmd_check_parity(args) -> int:
     from rlsys.architectures.hf_config import read_arch
     from rlsys.config import ParallelConfig
     from rlsys.local_ranks import launched_by_torchrun
-    from rlsys.parity import check_parity, check_parity_in_group, parity_world_size
+    from rlsys.parity import Tolerances, check_parity, check_parity_in_group, parity_world_size
     from rlsys.plan import check_layout_flags
 
     arch = read_arch(args.hf)
@@ -71,9 +71,11 @@ def _cmd_check_parity(args) -> int:
     world = parity_world_size(layout, args.dp)
     check_layout_flags(layout, world, arch)
     run = dict(seq_len=args.seq_len, batch=args.batch, device=args.device, dp=args.dp)
+    given = dict(rtol=args.rtol, max_kl=args.max_kl, min_top1=args.min_top1, atol=args.tol)
+    tol = Tolerances(**{k: v for k, v in given.items() if v is not None})
     if launched_by_torchrun():
-        diff = check_parity_in_group(args.hf, layout, **run)
-        if diff is None:  # not rank 0: rank 0 reports
+        report = check_parity_in_group(args.hf, layout, **run)
+        if report is None:  # not rank 0: rank 0 reports
             return 0
     else:
         print(
@@ -82,12 +84,13 @@ def _cmd_check_parity(args) -> int:
             f"batch {args.batch} x {args.seq_len} tokens, fp32",
             flush=True,
         )
-        diff = check_parity(args.hf, layout, **run)
-    print(f"max_abs_logit_diff={diff:.3e}")
-    if diff > args.tol:
-        print(f"error: logits differ by {diff:.3e} > --tol {args.tol:g}", file=sys.stderr)
-        return 1
-    return 0
+        report = check_parity(args.hf, layout, **run)
+    print(report.summary())
+    failures = report.failures(tol)
+    for failure in failures:
+        print(f"error: {failure}", file=sys.stderr)
+    print("parity: FAIL" if failures else "parity: pass")
+    return 1 if failures else 0
 
 
 def _cmd_convert(args) -> int:
@@ -118,7 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--last-stage-layers", type=int, default=None, help="uneven pipeline: layers on the last stage")
     par.add_argument("--seq-len", type=int, default=32)
     par.add_argument("--batch", type=int, default=2)
-    par.add_argument("--tol", type=float, default=1e-4)
+    # defaults: rlsys.parity.Tolerances
+    par.add_argument("--rtol", type=float, default=None, help="max |logit diff| / std of HF's logits (1e-3)")
+    par.add_argument("--max-kl", type=float, default=None, help="mean KL(HF || Megatron) in nats (1e-4)")
+    par.add_argument("--min-top1", type=float, default=None, help="share of agreeing argmaxes (1.0)")
+    par.add_argument("--tol", type=float, default=None, help="also bound max |logit diff| absolutely")
     par.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     par.set_defaults(func=_cmd_check_parity)
 

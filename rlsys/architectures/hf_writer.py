@@ -105,12 +105,15 @@ def partial_dir(out_dir: str) -> str:
 
 
 def check_output(out_dir: str, overwrite: bool) -> None:
+    """Refuse an existing output unless ``overwrite``; create missing parents, as ``save_pretrained`` does."""
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and not overwrite:
         raise UserError(f"output '{out_dir}' already exists; pass --overwrite to replace it")
     parent = os.path.dirname(out_dir)
-    if not os.path.isdir(parent):
-        raise UserError(f"the parent directory of the output, '{parent}', does not exist")
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create the output's parent directory '{parent}': {e.strerror}") from None
 
 
 def prepare_output(out_dir: str, overwrite: bool) -> str:

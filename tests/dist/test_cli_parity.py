@@ -23,16 +23,19 @@ def run_cli(*args):
 def test_final_line_and_exit_code(tiny_checkpoints):
     res = run_cli("--hf", tiny_checkpoints["qwen3"], "--tp", "2", "--seq-len", "16")
     assert res.returncode == 0, res.stderr[-2000:]
-    last = res.stdout.strip().splitlines()[-1]
-    assert last.startswith("max_abs_logit_diff=") and float(last.split("=")[1]) < 1e-4
+    *_, summary, verdict = res.stdout.strip().splitlines()
+    assert verdict == "parity: pass"
+    assert summary.startswith("max_abs_logit_diff=") and _max_abs(summary) < 1e-4 and "top1=100.0%" in summary
 
 
 def test_weights_that_do_not_match_config(make_checkpoint):
     ckpt = make_checkpoint("llama")
     cfg_path = f"{ckpt}/config.json"
-    cfg = json.load(open(cfg_path))
+    with open(cfg_path) as f:
+        cfg = json.load(f)
     cfg["intermediate_size"] = 128
-    json.dump(cfg, open(cfg_path, "w"))
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
     res = run_cli("--hf", ckpt, "--tp", "2")
     assert res.returncode == 2
     err = res.stderr.strip().splitlines()[-1]
@@ -52,8 +55,28 @@ def test_checkpoint_with_tensors_the_model_does_not_use(make_checkpoint):
 
 def test_under_torchrun(tiny_checkpoints):
     env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=str(free_port()))
-    res = subprocess.run(["bash", "launch/torchrun.sh", "2", "check-parity", "--hf", tiny_checkpoints["qwen2"],
-                          "--pp", "2", "--seq-len", "16"], capture_output=True, text=True, timeout=600, env=env)
+    res = subprocess.run(
+        [
+            "bash",
+            "launch/torchrun.sh",
+            "2",
+            "check-parity",
+            "--hf",
+            tiny_checkpoints["qwen2"],
+            "--pp",
+            "2",
+            "--seq-len",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     lines = [line for line in res.stdout.splitlines() if line.startswith("max_abs_logit_diff=")]
-    assert len(lines) == 1 and float(lines[0].split("=")[1]) < 1e-4  # only rank 0 reports
+    assert len(lines) == 1 and _max_abs(lines[0]) < 1e-4  # only rank 0 reports
+
+
+def _max_abs(summary: str) -> float:
+    return float(summary.split()[0].split("=")[1])

@@ -50,9 +50,14 @@ def test_not_a_megatron_checkpoint(tiny_checkpoints, out, capsys):
     assert code == 2 and "not a Megatron distributed checkpoint" in err
 
 
-def test_output_parent_must_exist(tiny_checkpoints, tmp_path, capsys):
-    code, err = run(["hf-to-mcore", "--hf", tiny_checkpoints["llama"], "--out", str(tmp_path / "a" / "b")], capsys)
-    assert code == 2 and "parent directory" in err
+def test_missing_parents_are_created_and_an_impossible_one_is_named(tiny_checkpoints, tmp_path, capsys):
+    from rlsys.architectures.hf_writer import check_output
+
+    check_output(str(tmp_path / "a" / "b" / "out"), overwrite=False)
+    assert (tmp_path / "a" / "b").is_dir() and not (tmp_path / "a" / "b" / "out").exists()
+    (tmp_path / "file").write_text("in the way")
+    code, err = run(["hf-to-mcore", "--hf", tiny_checkpoints["llama"], "--out", str(tmp_path / "file" / "b")], capsys)
+    assert code == 2 and "cannot create the output's parent directory" in err and str(tmp_path / "file") in err
 
 
 def test_meta_records_the_layout_under_the_keys_old_checkpoints_have(tiny_checkpoints, tmp_path):

@@ -40,8 +40,8 @@ def test_in_process_filter(monkeypatch):
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         noise.quiet_libraries()
-        warnings.warn("Apex is not installed. Falling back to Torch Norm")
-        warnings.warn("unknown", UserWarning)
+        warnings.warn("Apex is not installed. Falling back to Torch Norm", stacklevel=1)
+        warnings.warn("unknown", UserWarning, stacklevel=1)
     assert [str(w.message) for w in seen] == ["unknown"]
 
 
