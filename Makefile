@@ -30,6 +30,7 @@ endif
 test: install
 	@bash tests/contract/setup_sglang_contract.sh
 	@bash tests/sglang/setup_sglang_cpu.sh
+	@PYTHON=$(PY) bash tools/get_smollm2.sh >/dev/null || echo "SmolLM2-135M could not be fetched: its tests skip"
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS) tests
 
 test-fast: install

@@ -105,12 +105,16 @@ class RoleGroup:
         try:
             self._all("shutdown")
         finally:
-            self.kill()
+            if self.use_ray:
+                self.kill()
 
     def kill(self) -> None:
-        """End the ranks' processes without asking them (after a failure a rank may hang in a collective)."""
-        if self.use_ray:
-            import ray
+        """End the ranks' processes without asking them (after a failure a rank may hang in a collective).
+        In-process, the one rank cannot hang on a peer: it is shut down, which gives the driver its env back."""
+        if not self.use_ray:
+            self.ranks[0].shutdown()
+            return
+        import ray
 
-            for w in self.ranks:
-                ray.kill(w)
+        for w in self.ranks:
+            ray.kill(w)

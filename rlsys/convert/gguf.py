@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 
+from rlsys.architectures.hf_writer import commit_output
 from rlsys.errors import CheckpointError, UserError
 
 logger = logging.getLogger("rlsys.convert")
@@ -46,7 +47,7 @@ def gguf_to_hf(gguf_path: str, out_dir: str, dtype: str = "bf16", overwrite: boo
     try:
         _write_checkpoint(gguf_path, config, tmp, dtype)
         _check_written(tmp)
-        _replace(tmp, out_dir)
+        commit_output(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written directory behind
         raise
@@ -140,14 +141,3 @@ def _check_written(out: str) -> None:
 
     read_arch(out)
     HFCheckpoint(out)
-
-
-def _replace(tmp: str, out_dir: str) -> None:
-    """Move the finished output into place; an old one (with overwrite) is removed only after."""
-    old = None
-    if os.path.exists(out_dir):
-        old = f"{out_dir}.old-{os.getpid()}"
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
