@@ -32,7 +32,6 @@ from rlsys.rollout.batch import EngineRollout
 from rlsys.rollout.launch import start_engines
 
 if TYPE_CHECKING:
-    from rlsys.rollout.pool import EnginePool
     from rlsys.telemetry.metrics import MetricsLogger
     from rlsys.telemetry.progress import ProgressReporter
 
@@ -53,8 +52,6 @@ class Run:
     progress: ProgressReporter
     start: int  # the last step done before this run (a resumed checkpoint's step), 0 for a fresh one
     last_step: int
-    engines: EnginePool | None = None  # closed with the run
-    placement: Placement | None = None
     closers: list = field(default_factory=list)  # (on success, on failure or None), in building order
 
     def steps(self) -> range:
@@ -162,7 +159,7 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
     closers.append((progress.close, progress.close))
     return Run(
         cfg, prompts, source, roles, turns, weights, checkpoints, kl, logger, progress, start, last_step,
-        engines, placement, closers,
+        closers,
     )  # fmt: skip
 
 
