@@ -63,8 +63,10 @@ def device_offsets(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, int]:
 
 def sync_transports(cfg: RunConfig) -> list[str]:
     """How each engine receives the weights (``rlsys.sync.distributed``): ``tensor`` (colocated:
-    ``update_weights_from_tensor``, CUDA IPC on GPU, shared memory on CPU) or ``broadcast`` (a weight-update
-    group). The sender is actor rank 0, on device 0, so ``tensor`` reaches only engines on the first node."""
+    ``update_weights_from_tensor``, CUDA IPC handles on GPU, the bytes inline in the HTTP body on CPU) or
+    ``broadcast`` (a weight-update group). The sender is actor rank 0, on device 0, so ``tensor`` reaches only
+    engines on the first node. On CPU ``auto`` broadcasts: a gloo group moves the bytes once, where the inline
+    payload is pickled, base64-encoded and parsed again (SmolLM2-135M fp32: 1.0 s against 25 s a sync)."""
     r, per_node = cfg.rollout, cfg.cluster.devices_per_node
     if r.urls:  # attached engines: where they run is unknown, a group reaches them anywhere
         if r.sync.transport == "tensor":
@@ -87,6 +89,6 @@ def sync_transports(cfg: RunConfig) -> list[str]:
                 f"engines within the first {per_node} devices); use 'auto'",
             )
         return ["tensor"] * r.num_engines
-    if not cfg.cluster.colocate:
+    if not cfg.cluster.colocate or cfg.cluster.device == "cpu":
         return ["broadcast"] * r.num_engines
     return ["tensor" if local else "broadcast" for local in first_node]

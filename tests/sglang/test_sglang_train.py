@@ -20,7 +20,7 @@ LLAMA += [f"model.hf_config.{k}={v}" for k, v in TINY_LLAMA.items() if k in ("nu
 
 @pytest.mark.parametrize(
     "engines,transport,trainer_dtype",
-    [(1, "auto", "fp32"), (2, "broadcast", "bf16")],
+    [(1, "tensor", "fp32"), (2, "broadcast", "bf16")],
     ids=["1-engine-colocated-tensor-fp32", "2-engines-broadcast-bf16"],
 )
 def test_grpo_on_real_sglang(sglang_py, tmp_path, engines, transport, trainer_dtype):

@@ -100,6 +100,8 @@ def test_engine_memory_release_default():
         ([], ["tensor"]),  # colocated on one node: CUDA IPC, never an NCCL group with two ranks on GPU 0
         (["cluster.colocate=false", "actor.world_size=4"], ["broadcast"]),
         (["cluster.device=cpu", "rollout.sync.transport=broadcast"], ["broadcast"]),  # gloo can
+        (["cluster.device=cpu"], ["broadcast"]),  # on CPU a gloo group beats the tensors inline in HTTP
+        (["cluster.device=cpu", "rollout.sync.transport=tensor"], ["tensor"]),
         (["rollout.urls=[http://a:1, http://b:2]"], ["broadcast", "broadcast"]),
         # two nodes, colocated: engines on the sender's node take tensors, the others a group
         (
