@@ -64,9 +64,13 @@ class RoleGroup:
     def _per_sample(self, method: str, batch: TrainBatch, *extra) -> dict[str, list]:
         shards = dp_shards(batch.lengths, self.dp)
         results = self._all(method, *[(batch.select(shards[i["dp_rank"]]), *extra) for i in self.infos])
+        return self._merge(shards, results, len(batch))
+
+    def _merge(self, shards: list[list[int]], results: list, total: int) -> dict[str, list]:
+        """The reporting ranks' per-sample results of their DP shards, in batch order."""
         reports = {i["dp_rank"]: r for i, r in zip(self.infos, results) if i["reporter"]}
         names = next(iter(reports.values())).keys()
-        return {name: merge_shards(shards, [reports[d][name] for d in range(self.dp)], len(batch)) for name in names}
+        return {name: merge_shards(shards, [reports[d][name] for d in range(self.dp)], total) for name in names}
 
     # -- role operations --------------------------------------------------------------------------
 
@@ -79,6 +83,10 @@ class RoleGroup:
     def update(self, batch: TrainBatch, mini_batches: int) -> dict[str, float]:
         shards = dp_shards(batch.lengths, self.dp, mini_batches)
         return self._all("update", *[(batch.select(shards[i["dp_rank"]]),) for i in self.infos])[0]
+
+    def last_logprobs(self, batch: TrainBatch) -> dict[str, list]:
+        """The old-policy log-probs and entropy an on-policy ``update`` of ``batch`` (no ``old_logp``) computed."""
+        return self._merge(dp_shards(batch.lengths, self.dp), self._all("last_logprobs"), len(batch))
 
     def setup_sync(self, urls, engine_tp, sync_cfg, device, weight_dtype="auto", api_key=None, transports=None):
         self._all("setup_sync", same=(urls, engine_tp, sync_cfg, device, weight_dtype, api_key, transports))

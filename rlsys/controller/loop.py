@@ -27,6 +27,7 @@ def train(cfg: RunConfig, use_ray: bool = True, mode: str = "full", replay_dir: 
     run = build_run(cfg, mode, replay_dir, use_ray)
     consume = save if mode == "rollout" else learn
     try:
+        evaluate_before(run)
         history = [step(run, n, consume) for n in run.steps()]
     except BaseException:
         run.close(failed=True)
@@ -35,6 +36,14 @@ def train(cfg: RunConfig, use_ray: bool = True, mode: str = "full", replay_dir: 
     plot_run(cfg.trainer.output_dir)
     run.checkpoints.export()
     return history
+
+
+def evaluate_before(run: Run) -> None:
+    """``trainer.eval_before_train``: the starting policy's eval, as step 0 (not again on resume)."""
+    if run.cfg.trainer.eval_before_train and run.start == 0:
+        metrics = {"step": 0, **run.source.evaluate()}
+        run.logger.log(0, metrics)
+        run.progress.evaluation(0, metrics)
 
 
 def step(run: Run, n: int, consume) -> dict:
@@ -71,12 +80,14 @@ def learn(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
     batch = TrainBatch(seqs, prompt_lens)
     batch.set("rollout_logp", engine_logp)
     lengths, mask = batch.response_lengths, batch.response_mask()
+    # one on-policy update whose forward gives the old log-probs: no separate pass before it
+    in_update = old_logprobs_in_update(algo, ref is not None, n)
     with turns.on_device(actor):
         # 4. log-probs of the old policy (and the reference), values
         with t("logprob"):
-            old = actor.compute_logprobs(batch, with_entropy=True)
-            batch.set("old_logp", old["logp"])
-            old_logp, rollout_logp = batch.padded("old_logp"), batch.padded("rollout_logp")
+            if not in_update:
+                old = actor.compute_logprobs(batch, with_entropy=True)
+                batch.set("old_logp", old["logp"])
             ref_logp = values = None
             if ref is not None:
                 with turns.on_device(ref):
@@ -89,6 +100,7 @@ def learn(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
 
         # 5. advantages (+ train/inference mismatch correction)
         reward_kl = 0.0 if algo.kl.use_loss else run.kl.beta  # PPO-style: the KL penalty goes into the rewards
+        old_logp = None if in_update else batch.padded("old_logp")
         adv, returns, metrics = compute_advantages(
             algo.name, algo.advantage, rolled.scores, rolled.group_ids, mask, old_logp, ref_logp, values,
             reward_kl_coef=reward_kl,
@@ -97,9 +109,8 @@ def learn(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
         if returns is not None:
             batch.set("returns", unpad_rows(returns, lengths))
         m = algo.mismatch
-        if m.mode == "none":
-            mismatch = mismatch_metrics(old_logp, rollout_logp, mask)
-        else:
+        if m.mode != "none":
+            rollout_logp = batch.padded("rollout_logp")
             weights, keep, mismatch = mismatch_weights(old_logp, rollout_logp, mask, m.mode, m.cap, m.level, m.lower)
             batch.set("rollout_weights", unpad_rows(weights, lengths))
             batch.set("loss_mask", unpad_rows(keep, lengths))
@@ -111,16 +122,37 @@ def learn(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
                     metrics.update(critic.update(batch, algo.schedule.mini_batches_per_step))
             if n > algo.schedule.critic_warmup_steps:
                 metrics.update(actor.update(batch, algo.schedule.mini_batches_per_step))
+            if in_update:
+                old = actor.last_logprobs(batch)
+                batch.set("old_logp", old["logp"])
+                old_logp = batch.padded("old_logp")
 
         # 7. weight sync: the engines serve the new policy for the next step
         with t("sync"):
             metrics.update(run.weights.after_update(n))
     turns.engine_cache_back()
 
+    if m.mode == "none":
+        mismatch = mismatch_metrics(old_logp, batch.padded("rollout_logp"), mask)
     metrics["actor/entropy"] = float(masked_mean(pad_rows(old["entropy"]), mask))
     metrics["actor/kl"] = float(masked_mean(kl_estimate(old_logp, ref_logp, "k3"), mask)) if ref is not None else 0.0
     metrics["actor/kl_coef"] = run.kl.beta
     return metrics | rollout_mismatch(mismatch)
+
+
+def old_logprobs_in_update(algo, has_ref: bool, n: int) -> bool:
+    """Whether step ``n``'s actor update computes the old-policy log-probs itself (``algorithm.schedule.
+    old_logprob_pass: auto``): it is one on-policy step (one epoch, one mini-batch), so the policy before it
+    is the one it differentiates, and nothing needs them before it does: no mismatch weights, no KL penalty in
+    the rewards (it uses the reference's log-probs against them), and the actor updates this step."""
+    s = algo.schedule
+    return (
+        s.old_logprob_pass == "auto"
+        and (s.ppo_epochs, s.mini_batches_per_step) == (1, 1)
+        and algo.mismatch.mode == "none"
+        and (not has_ref or algo.kl.use_loss)
+        and n > s.critic_warmup_steps
+    )
 
 
 # the engine-vs-trainer log-prob gap under the names the console, the plots and the README use

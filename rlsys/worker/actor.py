@@ -40,6 +40,7 @@ class PolicyWorker:
         self.engine, self.objective, self.temperature = engine, objective, temperature
         self.topo = engine.topo
         self.vocab_size = engine.arch.vocab_size
+        self._own_old, self._seen, self._lengths = False, [], []  # see update
 
     # -- shared pieces ------------------------------------------------------------------------
 
@@ -74,17 +75,7 @@ class PolicyWorker:
         results = self.engine.run(inputs, collect_fn=collect)
         if not self.topo.is_last_stage:
             return None
-        out = {"logp": [None] * len(batch)}
-        if with_entropy:
-            out["entropy"] = [None] * len(batch)
-        lengths = batch.response_lengths
-        for indices, logp, ent in results:
-            for row, rows_logp in zip(indices, unpad_rows(logp, [lengths[i] for i in indices])):
-                out["logp"][row] = rows_logp
-            if ent is not None:
-                for row, rows_ent in zip(indices, unpad_rows(ent, [lengths[i] for i in indices])):
-                    out["entropy"][row] = rows_ent
-        return out
+        return _per_sample(results, batch.response_lengths, with_entropy)
 
     # -- update -------------------------------------------------------------------------------
 
@@ -92,10 +83,18 @@ class PolicyWorker:
         """PPO epochs x mini-batches of this rank's share; needs fields ``advantages`` and ``old_logp``
         (plus ``ref_logp`` with a KL loss, ``rollout_weights`` for mismatch correction).
 
+        Without ``old_logp`` the update is one on-policy step (one epoch, one mini-batch): the old policy is the
+        current one, so its log-probs are this forward's, detached (ratio 1), and ``last_logprobs`` returns them
+        with their entropy, as ``compute_logprobs`` would have before the step.
+
         Returns metrics averaged over the optimizer steps (``actor/lr`` is the last step's).
         """
         pl, schedule = self.objective.loss, self.objective.schedule
         norm = pl.dr_grpo_norm if pl.agg_mode == "seq-mean-token-sum-norm" else None
+        self._own_old = "old_logp" not in batch.fields
+        if self._own_old and (schedule.ppo_epochs, schedule.mini_batches_per_step) != (1, 1):
+            raise ValueError("an update without old_logp must be one epoch of one mini-batch (on-policy)")
+        self._seen, self._lengths = [], batch.response_lengths
         return self.engine.train(
             batch,
             schedule.mini_batches_per_step,
@@ -111,7 +110,7 @@ class PolicyWorker:
         obj = self.objective
         pl, kl = obj.loss, obj.kl
         use_kl = kl.use_loss and kl.coef > 0
-        names = ["advantages", "old_logp"] + (["ref_logp"] if use_kl else [])
+        names = ["advantages"] + ([] if self._own_old else ["old_logp"]) + (["ref_logp"] if use_kl else [])
         names += ["rollout_weights"] if "rollout_weights" in mini.fields else []
         policy_loss = gspo_policy_loss if obj.name == "gspo" else ppo_policy_loss
         clip = {"clip_low": pl.clip_low, "clip_high": pl.clip_high}
@@ -120,7 +119,11 @@ class PolicyWorker:
 
         def loss_fn(output, inp: ModelInput):
             f = response_fields(mini, inp, names, output.device)
-            logp, ent = self._logprobs(output, inp, with_entropy=pl.entropy_coef > 0)
+            logp, ent = self._logprobs(output, inp, with_entropy=pl.entropy_coef > 0 or self._own_old)
+            if self._own_old:
+                f["old_logp"] = logp.detach()
+                self._seen.append((inp.indices, logp.detach().cpu(), ent.detach().cpu()))
+                ent = ent if pl.entropy_coef > 0 else None
             mask = f["mask"]
             loss, m = policy_loss(
                 logp,
@@ -149,6 +152,23 @@ class PolicyWorker:
             return loss, entry
 
         return loss_fn
+
+    def last_logprobs(self) -> dict[str, list[torch.Tensor]] | None:
+        """The old-policy ``{"logp", "entropy"}`` of the last update without ``old_logp`` (last stage only)."""
+        if not self.topo.is_last_stage:
+            return None
+        return _per_sample(self._seen, self._lengths, with_entropy=True)
+
+
+def _per_sample(results, lengths, with_entropy: bool) -> dict[str, list[torch.Tensor]]:
+    """Micro-batch ``(indices, logp, entropy)`` results as per-sample rows in batch order."""
+    names = ["logp", "entropy"] if with_entropy else ["logp"]
+    out = {name: [None] * len(lengths) for name in names}
+    for indices, *values in results:
+        for name, padded in zip(names, values):
+            for row, value in zip(indices, unpad_rows(padded, [lengths[i] for i in indices])):
+                out[name][row] = value
+    return out
 
 
 def build_policy_worker(

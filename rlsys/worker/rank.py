@@ -79,6 +79,9 @@ class RankWorker:
     def update(self, batch) -> dict:
         return self.worker.update(batch)
 
+    def last_logprobs(self):
+        return self.worker.last_logprobs()
+
     def offload(self, what=None) -> dict:
         """``what``: categories of ``rlsys.worker.offload`` (None: all)."""
         return self.worker.engine.offload() if what is None else self.worker.engine.offload(what=what)

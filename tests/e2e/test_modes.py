@@ -119,3 +119,16 @@ def test_colocated_turns_offload_release_and_critic_warmup(tmp_path):
         assert m["rollout/logprob_diff_max"] < 1e-3
         assert m["rollout/weight_version"] == m["step"]
     assert (tmp_path / "turns" / "checkpoints").exists()  # saving onloaded the offloaded roles
+
+
+def test_old_logprobs_from_the_update_equal_a_separate_pass(tmp_path):
+    """One on-policy update takes the old log-probs from its own forward (``old_logprob_pass: auto``): the
+    step must learn and report what the separate forward pass before it gave."""
+    fused, separate = (
+        run(tmp_path, name, 2, f"algorithm.schedule.old_logprob_pass={name}") for name in ("auto", "separate")
+    )
+    for a, b in zip(fused, separate):
+        assert a["reward/mean"] == b["reward/mean"]  # same samples: the updates left the same weights
+        for key in ("actor/grad_norm", "actor/pg_loss", "actor/entropy", "rollout/logprob_diff_max"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+        assert a["actor/clipfrac"] == 0.0  # the ratio is exactly 1 on-policy

@@ -54,9 +54,13 @@ class FakeGroup:
     """A role group: log-probs of -0.5 per response token (the engine's), records updates and syncs."""
 
     def __init__(self):
-        self.updates, self.synced, self.dp = [], [], 1
+        self.updates, self.synced, self.dp, self.passes = [], [], 1, 0
 
     def compute_logprobs(self, batch, with_entropy=False):
+        self.passes += 1
+        return self.last_logprobs(batch, with_entropy)
+
+    def last_logprobs(self, batch, with_entropy=True):
         out = {"logp": [torch.full((n,), -0.5) for n in batch.response_lengths]}
         if with_entropy:
             out["entropy"] = [torch.full((n,), 2.0) for n in batch.response_lengths]
@@ -64,6 +68,7 @@ class FakeGroup:
 
     def update(self, batch, mini_batches):
         self.updates.append((batch, mini_batches))
+        self.fields_at_update = set(batch.fields)
         return {"actor/pg_loss": 0.25}
 
     def sync_weights(self, version):
@@ -71,7 +76,7 @@ class FakeGroup:
         return {"sync/seconds": 0.01}
 
 
-def _run(tmp_path, syncing=True):
+def _run(tmp_path, syncing=True, overrides=()):
     cfg = load_config(
         None,
         [
@@ -84,6 +89,7 @@ def _run(tmp_path, syncing=True):
             "algorithm.kl.coef=0.0",
             "ref.enabled=false",
             "logging.tensorboard=false",
+            *overrides,
         ],
     )
     prompts = PromptSource(cfg.data, cfg.model, seed=cfg.trainer.seed)
@@ -110,8 +116,9 @@ def _answer_everything(run, pool):
     run.prompts.load_state_dict(state)
 
 
-def test_step_dataflow(tmp_path):
-    run, pool, actor = _run(tmp_path)
+@pytest.mark.parametrize("old_pass", ["auto", "separate"])
+def test_step_dataflow(tmp_path, old_pass):
+    run, pool, actor = _run(tmp_path, overrides=[f"algorithm.schedule.old_logprob_pass={old_pass}"])
     try:
         _answer_everything(run, pool)
         metrics = step(run, 1, learn)
@@ -127,7 +134,10 @@ def test_step_dataflow(tmp_path):
     expected = 1 / math.sqrt(2)  # (x - mean) / std over two different values, Bessel-corrected
     assert torch.allclose(adv, torch.tensor([expected, -expected] * PROMPTS), atol=1e-4)
     assert mini_batches == 1
-    # 4. log-probs equal the engine's: no mismatch reported
+    # 4. one on-policy update computes the old log-probs itself (auto): no separate forward pass before it
+    assert actor.passes == (old_pass == "separate")
+    assert ("old_logp" in actor.fields_at_update) == (old_pass == "separate")
+    # the old log-probs equal the engine's: no mismatch reported
     assert metrics["rollout/logprob_diff_max"] == pytest.approx(0.0)
     assert "mismatch/logp_diff_max" not in metrics  # reported once, under the rollout/ name
     # 6. the actor's update metrics pass through; 7. the engines are told version 2 for the next rollout
