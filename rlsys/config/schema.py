@@ -7,7 +7,7 @@ to another one. Loading and checking are in ``rlsys.config`` (``load_config``) a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 Recompute = Literal["none", "selective", "full"]
@@ -226,6 +226,9 @@ class ScheduleConfig:
     ppo_epochs: int = 1  # passes over each rollout batch
     mini_batches_per_step: int = 1  # optimizer steps per pass; 1 = strictly on-policy
     critic_warmup_steps: int = 0  # ppo: first steps train only the critic (VAPO value pretraining)
+    # auto: a single on-policy update (1 epoch, 1 mini-batch) takes the old log-probs from its own forward
+    # (rlsys.controller.loop.old_logprobs_in_update), one forward pass less a step; separate: always a pass
+    old_logprob_pass: Literal["auto", "separate"] = "auto"
 
 
 @dataclass
@@ -325,6 +328,8 @@ class RewardConfig:
     name: str = "math"  # registry name, or a dotted path 'pkg.mod:fn'
     timeout_s: float = 10.0  # per-sample limit; a timeout scores 0
     num_workers: int = 4  # parallel reward processes
+    executor: Literal["auto", "thread", "process"] = "auto"  # auto: what the function registered with
+    kwargs: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the function (math: format_score)
 
 
 @dataclass
@@ -337,6 +342,7 @@ class TrainerConfig:
     resume: bool = True  # continue from the latest checkpoint in output_dir if there is one
     load_optimizer: bool = True  # false: resume weights only (e.g. after changing the parallel layout)
     eval_every: int = 0  # steps between greedy evaluations on the held-out prompts; 0 = never
+    eval_before_train: bool = False  # also evaluate before step 1 (logged as step 0), as verl's val_before_train
     export_hf: bool = True  # convert the final actor checkpoint to HF format (output_dir/hf_export)
 
 

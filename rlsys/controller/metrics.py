@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 import torch
 
-from rlsys.rollout.batch import RolloutBatch
+from rlsys.rollout.batch import RolloutBatch, solved_share
 
 
 class Timer(dict):
@@ -29,6 +29,7 @@ def step_metrics(step: int, rolled: RolloutBatch, t: Timer, learned: dict) -> di
         "step": step,
         "reward/mean": float(scores.mean()),
         "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
+        "reward/solved": solved_share(scores),
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "rollout/weight_version": version_number({s.weight_version for s in samples}),

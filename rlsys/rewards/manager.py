@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_connections
 
+from rlsys.errors import UserError
 from rlsys.rewards.registry import get_reward_spec, score_of
 
 logger = logging.getLogger("rlsys.rewards")
@@ -61,11 +62,14 @@ class RewardManager:
     def __init__(self, reward_cfg):
         self.name = reward_cfg.name
         self.spec = get_reward_spec(reward_cfg.name)  # resolves here: a bad name fails at startup
-        executor = getattr(reward_cfg, "executor", "auto")
-        if executor not in ("auto", "thread", "process"):
-            raise ValueError(f"reward.executor must be 'auto', 'thread' or 'process', got {executor!r}")
+        executor = reward_cfg.executor
         self.executor = self.spec.executor if executor == "auto" else executor
-        self.kwargs = dict(getattr(reward_cfg, "kwargs", None) or {})
+        self.kwargs = dict(reward_cfg.kwargs)
+        if self.spec.preflight is not None:
+            try:
+                self.spec.preflight(**self.kwargs)
+            except Exception as e:
+                raise UserError(f"reward {self.name!r} cannot run here: {e}") from e
         self.timeout_s = float(reward_cfg.timeout_s)
         self.num_workers = int(reward_cfg.num_workers)
         self.totals = {"errors": 0, "timeouts": 0}

@@ -45,7 +45,10 @@ def _as_latex(answer: str) -> str:
 
 
 @register_reward("math", executor="process")
-def math_reward(response: str, answer, prompt: str | None = None, **extra) -> float:
+def math_reward(response: str, answer, prompt: str | None = None, format_score: float = 0.0, **extra) -> float:
+    """1 for a correct answer; ``format_score`` (``reward.kwargs.format_score``, as verl's) for a wrong one
+    given in ``\\boxed{}``, the format asked for: a share that lets a model that rarely answers right learn
+    the format first; 0 otherwise."""
     from math_verify import parse, verify
 
     gold = parse(_as_latex(str(answer)), parsing_timeout=None)
@@ -53,4 +56,6 @@ def math_reward(response: str, answer, prompt: str | None = None, **extra) -> fl
         raise ValueError(f"math-verify cannot parse the gold answer {str(answer)[:80]!r}")
     boxed = last_boxed(response)
     pred = parse(f"${boxed}$" if boxed is not None else response, parsing_timeout=None)
-    return float(bool(pred) and verify(gold, pred, timeout_seconds=None))
+    if bool(pred) and verify(gold, pred, timeout_seconds=None):
+        return 1.0
+    return float(format_score) if boxed is not None else 0.0

@@ -27,6 +27,7 @@ class RewardSpec:
     fn: Callable
     executor: str = "thread"  # "thread" or "process"
     batched: bool = False
+    preflight: Callable | None = None  # preflight(**reward.kwargs) raises if the function cannot run here
 
 
 _REGISTRY: dict[str, RewardSpec] = {}
@@ -34,13 +35,13 @@ _REGISTRY: dict[str, RewardSpec] = {}
 _BUILTIN_MODULES = ("basic", "gsm8k", "math", "code", "remote")
 
 
-def register_reward(name: str, executor: str = "thread", batched: bool = False):
+def register_reward(name: str, executor: str = "thread", batched: bool = False, preflight: Callable | None = None):
     """Decorator adding a reward function to the registry under ``name``."""
     if executor not in ("thread", "process"):
         raise ValueError(f"executor must be 'thread' or 'process', got {executor!r}")
 
     def add(fn: Callable) -> Callable:
-        _REGISTRY[name] = RewardSpec(fn, executor, batched)
+        _REGISTRY[name] = RewardSpec(fn, executor, batched, preflight)
         return fn
 
     return add

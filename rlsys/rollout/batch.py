@@ -108,8 +108,15 @@ class EngineRollout:
         _, scores, _ = self._score(prompts, samples)
         return {
             "eval/reward_mean": float(scores.mean()),
+            "eval/solved": solved_share(scores),
             "eval/length_mean": float(sum(len(s.output_ids) for s in samples) / len(samples)),
         }
 
     def close(self) -> None:
         self.rewards.close()
+
+
+def solved_share(scores: torch.Tensor) -> float:
+    """The share of samples given the full score of 1 (a correct answer), apart from partial credit such as
+    ``math``'s ``format_score``."""
+    return float((scores >= 1.0).float().mean()) if len(scores) else 0.0

@@ -174,10 +174,12 @@ class MetricsLogger:
         self._resumed = True
 
     def log(self, step: int, metrics: dict) -> None:
-        """Record one step. ``eval/*`` metrics of the step belong in the same dict."""
+        """Record one step. ``eval/*`` metrics of the step belong in the same dict; a row of eval metrics
+        alone (``trainer.eval_before_train``'s step 0) is no training step missing its keys."""
         if self._file is None:
             self._open()
-        self._warn_missing(metrics)
+        if not all(k == "step" or k.startswith("eval/") for k in metrics):
+            self._warn_missing(metrics)
         row = {"step": int(step)}
         row.update((k, _clean(k, v)) for k, v in metrics.items() if k != "step")
         self._file.write(json.dumps(row, allow_nan=False) + "\n")

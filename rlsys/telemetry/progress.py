@@ -52,6 +52,9 @@ def format_step(metrics: dict) -> str:
     mean, std = _num(metrics, "reward/mean"), _num(metrics, "reward/std")
     if mean is not None:
         parts.append(f"reward {mean:.3f}" + (f"±{std:.3f}" if std is not None else ""))
+    solved = _num(metrics, "reward/solved")
+    if solved is not None:
+        parts.append(f"solved {solved:.2f}")
     length = _num(metrics, "response/length_mean")
     if length is not None:
         parts.append(f"len {length:.0f}")
@@ -64,6 +67,10 @@ def format_step(metrics: dict) -> str:
     tokens = _num(metrics, "throughput/tokens_per_s")
     if tokens is not None:
         parts.append(f"{_si(tokens)} tok/s")
+    evaluated = _num(metrics, "eval/reward_mean")
+    if evaluated is not None:
+        solved = _num(metrics, "eval/solved")
+        parts.append(f"eval reward {evaluated:.3f}" + (f" solved {solved:.2f}" if solved is not None else ""))
     return " | ".join(parts)
 
 
@@ -122,6 +129,11 @@ class ProgressReporter:
             self._bar.set_postfix_str(summary, refresh=True)
         elif self.mode == "plain" and (step % self.cfg.log_every == 0 or step == self.total_steps):
             self._print(f"step {step}/{self.total_steps} | {summary}{self._eta(step)}")
+
+    def evaluation(self, step: int, metrics: dict) -> None:
+        """Show an evaluation outside a step (``trainer.eval_before_train``: step 0)."""
+        if self.mode != "off":
+            self._print(f"step {step}/{self.total_steps} | {format_step(metrics)}")
 
     def should_sample(self, step: int) -> bool:
         """Whether ``samples`` wants this step's generations (so the caller can skip collecting them)."""

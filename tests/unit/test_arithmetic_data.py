@@ -94,3 +94,7 @@ def test_math_reward_scores_boxed_answers():
     assert math_reward(f"So the total is \\boxed{{{wrong}}}.", record["answer"], record["prompt"]) == 0.0
     # the last box counts, as the reward documents
     assert math_reward(f"\\boxed{{{wrong}}} no, \\boxed{{{right}}}", record["answer"]) == 1.0
+    # reward.kwargs.format_score: partial credit for a wrong answer in the asked-for box, none without a box
+    assert math_reward(f"\\boxed{{{wrong}}}", record["answer"], format_score=0.2) == 0.2
+    assert math_reward(f"the answer is {wrong}", record["answer"], format_score=0.2) == 0.0
+    assert math_reward(f"\\boxed{{{right}}}", record["answer"], format_score=0.2) == 1.0
