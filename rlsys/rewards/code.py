@@ -4,48 +4,22 @@ Score = fraction of test cases whose stdout matches (trailing whitespace ignored
 the tests: a list of ``{"input": ..., "output": ...}`` or of ``[stdin, stdout]`` pairs, or APPS-style
 ``{"inputs": [...], "outputs": [...]}``, or a JSON string of any of these.
 
-Each test runs ``python -I`` (no user site, no PYTHON* variables, script dir off ``sys.path``) in a
-fresh temporary directory with a minimal environment (no proxy variables), in its own session so a
-timeout kills the whole process group. A small bootstrap sets the resource limits inside the child
-before the candidate runs (address space, CPU seconds, file size, processes): ``preexec_fn`` would do
-the same but is unsafe in a threaded parent, and rewards run on threads. stdout and stderr go to files
-whose size RLIMIT_FSIZE caps, so a print loop cannot fill the parent's memory.
-
-Network: the child runs under ``unshare -n`` (an empty network namespace) when that works (root),
-else ``unshare -rn`` (unprivileged user namespaces), else without isolation and a one-time warning:
-then only the missing proxy settings stand between the candidate and the network. The same holds for
-the file system: the child can read what the user running rlsys can read. This is a guard against
-accidents and runaway programs, not a security boundary against hostile code; run untrusted code in
-a container or VM.
+Each test runs in ``rlsys.rewards.sandbox``: its own PID, network and mount namespaces, an unprivileged
+uid, a read-only view of the system directories only, a private /tmp, resource limits, and the whole
+process tree killed at the deadline. Where that isolation is unavailable the reward refuses to run code
+(``SandboxUnavailable``) unless ``reward.kwargs.allow_weak_sandbox`` is true.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
-import logging
-import os
 import re
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 
+from rlsys.rewards import sandbox
 from rlsys.rewards.registry import register_reward
+from rlsys.rewards.sandbox import Limits
 
-logger = logging.getLogger("rlsys.rewards.code")
-
-_BOOTSTRAP = """
-import resource, runpy, sys
-for name, value in zip(("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NPROC"), sys.argv[1:5]):
-    if int(value) > 0:
-        resource.setrlimit(getattr(resource, name), (int(value), int(value)))
-sys.argv = ["main.py"]
-runpy.run_path("main.py", run_name="__main__")
-"""
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 
@@ -76,19 +50,6 @@ def _normalize(out: str) -> list[str]:
     return [line.rstrip() for line in out.rstrip().splitlines()]
 
 
-@functools.lru_cache(maxsize=1)
-def network_isolation() -> list[str]:
-    """The command prefix that cuts the child off the network, probed once: [] if none works."""
-    for prefix in (["unshare", "-n"], ["unshare", "-rn"]):
-        try:
-            if subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0:
-                return prefix
-        except (OSError, subprocess.SubprocessError):
-            pass
-    logger.warning("code reward: 'unshare -n' is not available here; candidate programs can reach the network")
-    return []
-
-
 def run_program(
     code: str,
     stdin: str,
@@ -96,52 +57,22 @@ def run_program(
     memory_mb: int = 1024,
     output_bytes: int = 1 << 20,
     max_processes: int = 1,
-    isolate_network: bool = True,
+    allow_weak_sandbox: bool = False,
 ) -> tuple[str, str]:
-    """Run ``code`` once; returns ``(status, stdout)`` with status "ok", "error" (non-zero exit, limits
-    hit, or output over the cap) or "timeout"."""
-    tmp = tempfile.mkdtemp(prefix="rlsys_code_")
-    try:
-        with open(os.path.join(tmp, "main.py"), "w") as f:
-            f.write(code)
-        with open(os.path.join(tmp, ".stdin"), "w") as f:
-            f.write(stdin)
-        limits = [memory_mb << 20, int(timeout_s) + 1, output_bytes, max_processes]
-        cmd = [sys.executable, "-I", "-c", _BOOTSTRAP, *map(str, limits)]
-        if isolate_network:
-            cmd = network_isolation() + cmd
-        # One thread per native library: RLIMIT_NPROC counts threads too.
-        env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1"}
-        env["OPENBLAS_NUM_THREADS"] = env["MKL_NUM_THREADS"] = "1"
-        with (
-            open(os.path.join(tmp, ".stdin")) as fin,
-            open(os.path.join(tmp, ".stdout"), "wb") as fout,
-            open(os.path.join(tmp, ".stderr"), "wb") as ferr,
-        ):
-            proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdin=fin, stdout=fout, stderr=ferr, start_new_session=True)
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                _kill_group(proc)
-                return "timeout", ""
-            finally:
-                _kill_group(proc)  # children it left behind
-        with open(os.path.join(tmp, ".stdout"), "rb") as f:
-            out = f.read(output_bytes + 1)
-        if rc != 0 or len(out) > output_bytes:
-            return "error", ""
-        return "ok", out.decode("utf-8", errors="replace")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    """Run ``code`` once in the sandbox; returns ``(status, stdout)`` with status "ok", "error" (non-zero
+    exit, limits hit, or output over the cap) or "timeout"."""
+    limits = Limits(timeout_s=timeout_s, memory_mb=memory_mb, output_bytes=output_bytes, max_processes=max_processes)
+    return sandbox.run(code, stdin, limits, allow_weak=allow_weak_sandbox)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+def _sandbox_ready(allow_weak_sandbox: bool = False, **_) -> None:
+    """At startup: refuse a run whose code reward could not isolate the programs (see ``sandbox.run``)."""
+    isolated, why = sandbox.isolation()
+    if not isolated and not allow_weak_sandbox:
+        sandbox.run("", "", allow_weak=False)  # raises SandboxUnavailable with the reason and the opt-out
 
 
-@register_reward("code")
+@register_reward("code", preflight=_sandbox_ready)
 def code_reward(
     response: str,
     answer,
@@ -150,7 +81,7 @@ def code_reward(
     total_timeout_s: float = 30.0,
     memory_mb: int = 1024,
     output_bytes: int = 1 << 20,
-    isolate_network: bool = True,
+    allow_weak_sandbox: bool = False,
     **extra,
 ) -> dict:
     """Fraction of tests passed. Tests left when ``total_timeout_s`` is spent count as failed, so keep
@@ -162,7 +93,7 @@ def code_reward(
         left = total_timeout_s - (time.monotonic() - start)
         if left <= 0:
             break
-        status, out = run_program(code, stdin, min(timeout_s, left), memory_mb, output_bytes, 1, isolate_network)
+        status, out = run_program(code, stdin, min(timeout_s, left), memory_mb, output_bytes, 1, allow_weak_sandbox)
         timeouts += status == "timeout"
         passed += status == "ok" and _normalize(out) == _normalize(expected)
     return {"score": passed / len(tests), "all_passed": float(passed == len(tests)), "test_timeouts": timeouts}
