@@ -237,10 +237,12 @@ def _tail(path: str, n: int = 40) -> str:
         return "".join(f.readlines()[-n:])
 
 
-def cpu_engine_command(model_dir: str, seed: int, host: str, port: int, api_key: str | None = None) -> list:
+def cpu_engine_command(
+    model_dir: str, seed: int, host: str, port: int, api_key: str | None = None, bucket_mb: float = 512
+) -> list:
     # sys.executable of the process that builds the command: the engine's host on a remote node
     command = [sys.executable, "-m", "rlsys.rollout.cpu.server", "--model-path", model_dir, "--host", host]
-    command += ["--port", port, "--seed", seed, "--dtype", "float32"]
+    command += ["--port", port, "--seed", seed, "--dtype", "float32", "--max-bucket-mb", bucket_mb]
     return command + (["--api-key", api_key] if api_key else [])
 
 
@@ -318,7 +320,7 @@ def _engine_command(
     port = free_port(host) if port is None else port
     key = api_key if host not in LOOPBACK else None
     if cfg.engine == "cpu":
-        return cpu_engine_command(model_dir, seed + index, host, port, key)
+        return cpu_engine_command(model_dir, seed + index, host, port, key, cfg.sync.bucket_mb)
     env = dict(cfg.sglang_env)
     if device == "cpu":
         binding = core_binding(index, cfg.num_engines, cfg.tp, sorted(os.sched_getaffinity(0)))

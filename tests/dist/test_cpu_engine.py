@@ -410,27 +410,33 @@ def test_release_resume_then_update_from_tensor(qwen2, ckpts):
     assert r.status_code == 200, r.text
     assert_engine_holds(qwen2, ckpts["qwen2", 1])
 
-    # SGLang's flattened bucket through torch.multiprocessing shared memory (the colocated payload)
+    # SGLang's flattened bucket, the colocated payload (its bytes inline on CPU)
     from rlsys.sync.colocated import serialize_flattened_bucket
 
     old = checkpoint_tensors(ckpts["qwen2", 0])
     bucket = Bucket()
     for n, t in old:
         bucket.add(n, t)
-    strategy = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy("file_system")  # "file_descriptor" needs a related process
-    try:
-        payload = serialize_flattened_bucket(bucket.aligned())
-        with session(qwen2):
-            r = post(
-                qwen2,
-                "/update_weights_from_tensor",
-                {"serialized_named_tensors": [payload], "load_format": "flattened_bucket"},
-            )
-    finally:
-        torch.multiprocessing.set_sharing_strategy(strategy)
+    payload = serialize_flattened_bucket(bucket.aligned())
+    with session(qwen2):
+        body = {"serialized_named_tensors": [payload], "load_format": "flattened_bucket"}
+        r = post(qwen2, "/update_weights_from_tensor", body)
     assert r.status_code == 200, r.text
     assert_engine_holds(qwen2, ckpts["qwen2", 0])
+
+    # shared-memory handles name this host's segments and descriptors: refused, whichever strategy made them
+    from multiprocessing.reduction import ForkingPickler
+
+    for strategy in ("file_system", "file_descriptor"):
+        previous = torch.multiprocessing.get_sharing_strategy()
+        torch.multiprocessing.set_sharing_strategy(strategy)
+        try:
+            shared = base64.b64encode(ForkingPickler.dumps([("x", torch.ones(4))])).decode()
+        finally:
+            torch.multiprocessing.set_sharing_strategy(previous)
+        with session(qwen2):
+            r = post(qwen2, "/update_weights_from_tensor", {"serialized_named_tensors": [shared]})
+        assert r.status_code == 400 and "refusing to unpickle" in r.json()["message"], (strategy, r.text)
 
     evil = base64.b64encode(pickle.dumps([("x", print)])).decode()
     with session(qwen2):

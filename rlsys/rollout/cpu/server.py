@@ -67,6 +67,8 @@ class CPUEngine:
 
         self.model_path, self.weight_version = args.model_path, args.weight_version
         self.tokenizer_path = args.tokenizer_path or args.model_path
+        roots = args.weight_roots.split(":") if args.weight_roots else []
+        self.weight_roots = roots or [os.path.dirname(os.path.realpath(args.model_path))]
         dtype = "auto" if args.dtype == "auto" else dtype_from_str(args.dtype)
         self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype).eval()
         self.tokenizer = _load_tokenizer(self.tokenizer_path)
@@ -229,6 +231,10 @@ class CPUEngine:
 
     def update_weights_from_disk(self, body: dict) -> web.Response:
         path = body.get("model_path")
+        if not isinstance(path, str) or not any(_within(path, root) for root in self.weight_roots):
+            roots = ", ".join(self.weight_roots)
+            message = f"model_path {path!r} is outside the weight roots ({roots}); start the engine with --weight-roots"
+            return _result(False, message, num_paused_requests=0)
         if body.get("abort_all_requests"):
             self._abort_all()
         try:
@@ -409,8 +415,9 @@ ROUTES = {  # path: (methods, engine method, runs on the control pool)
 }
 
 
-def build_app(engine: CPUEngine, api_key: str | None = None) -> web.Application:
-    """``api_key``: as SGLang's ``--api-key``, every endpoint but ``/health*`` wants ``Authorization: Bearer``."""
+def build_app(engine: CPUEngine, api_key: str | None = None, max_request_bytes: int = 1 << 30) -> web.Application:
+    """``api_key``: as SGLang's ``--api-key``, every endpoint but ``/health*`` wants ``Authorization: Bearer``.
+    ``max_request_bytes``: larger bodies are refused (413) before they are read."""
     gen_pool = ThreadPoolExecutor(64, thread_name_prefix="generate")
     ctl_pool = ThreadPoolExecutor(16, thread_name_prefix="control")
 
@@ -421,7 +428,7 @@ def build_app(engine: CPUEngine, api_key: str | None = None) -> web.Application:
             return _json({"error": {"message": "Unauthorized"}}, 401)
         return await handler(request)
 
-    app = web.Application(client_max_size=1 << 40, middlewares=[authorize])  # tensor payloads can be large
+    app = web.Application(client_max_size=max_request_bytes, middlewares=[authorize])
 
     def handler(method, pool):
         async def handle(request: web.Request) -> web.Response:
@@ -452,6 +459,19 @@ def build_app(engine: CPUEngine, api_key: str | None = None) -> web.Application:
     return app
 
 
+def _within(path: str, root: str) -> bool:
+    path, root = os.path.realpath(path), os.path.realpath(root)
+    return os.path.commonpath([path, root]) == root
+
+
+def request_cap(model: torch.nn.Module, bucket_mb: float) -> int:
+    """The largest request body accepted: an inline bucket (``update_weights_from_tensor``, base64: 4/3 of its
+    bytes) of ``bucket_mb`` or of the model's largest tensor in fp32 (a bucket never splits a tensor), plus room
+    for the JSON around it. Generation requests are far smaller."""
+    largest = max((p.numel() * 4 for p in model.state_dict().values()), default=0)
+    return int(max(bucket_mb * (1 << 20), largest) * 4 / 3) + (64 << 20)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="SGLang-protocol rollout engine on CPU (transformers)")
     ap.add_argument("--model-path", required=True)
@@ -464,13 +484,28 @@ def main(argv=None) -> None:
     ap.add_argument("--enable-weights-cpu-backup", action="store_true", help="resume restores released weights")
     ap.add_argument("--num-threads", type=int, default=1, help="torch CPU threads (1 suits small models)")
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (but on /health)")
+    ap.add_argument(
+        "--weight-roots",
+        default=None,
+        help="directories update_weights_from_disk may read, separated by ':' (default: the model's parent)",
+    )
+    ap.add_argument(
+        "--max-bucket-mb", type=float, default=512, help="the largest weight bucket sent inline (sync.bucket_mb)"
+    )
     args = ap.parse_args(argv)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        ap.error(f"--host {args.host} reaches beyond this machine: give --api-key (rlsys passes a fresh one per run)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.num_threads)
     torch.manual_seed(args.seed)
     engine = CPUEngine(args)
     web.run_app(
-        build_app(engine, args.api_key), host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=2
+        build_app(engine, args.api_key, request_cap(engine.model, args.max_bucket_mb)),
+        host=args.host,
+        port=args.port,
+        print=None,
+        access_log=None,
+        shutdown_timeout=2,
     )
     os._exit(0)  # worker threads may be blocked in a rendezvous or broadcast: do not wait for them
 

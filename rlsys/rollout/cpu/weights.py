@@ -227,13 +227,9 @@ _ALLOWED_GLOBALS = {
     ("torch._utils", "_rebuild_parameter"),
     ("torch.storage", "UntypedStorage"),
     ("torch.storage", "TypedStorage"),
-    # torch.multiprocessing's shared-memory reductions (what SGLang's MultiprocessingSerializer emits)
-    ("torch.multiprocessing.reductions", "rebuild_tensor"),
-    ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_fd"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
-    ("multiprocessing.resource_sharer", "DupFd"),
+    # Not torch.multiprocessing's shared-memory rebuilds (rebuild_storage_fd, rebuild_storage_filename,
+    # DupFd): with them a client names a segment or file descriptor of this host and reads it back as a
+    # tensor. Payloads to this engine carry their bytes inline.
 }
 
 
@@ -268,7 +264,7 @@ def unpickle_tensors(data: str | bytes):
 
 def serialize_tensors(obj) -> str:
     """Base64 pickle of ``obj`` with the tensor bytes inline: a ``serialized_named_tensors`` entry any
-    process can read. (SGLang's ``MultiprocessingSerializer`` shares memory instead; the engine reads both.)"""
+    process can read. (SGLang's ``MultiprocessingSerializer`` shares memory instead; this engine refuses that.)"""
     return base64.b64encode(pickle.dumps(obj)).decode()
 
 
