@@ -10,6 +10,7 @@ import random
 
 from rlsys.config import DataConfig, ModelConfig
 from rlsys.data.dataset import Prompt
+from rlsys.errors import ConfigError
 
 
 class PromptSource:
@@ -29,7 +30,11 @@ class PromptSource:
             from rlsys.data.sampler import EpochSampler
 
             if model.path is None:
-                raise ValueError("data.path needs model.path: prompts are tokenized with the model's tokenizer")
+                raise ConfigError(
+                    "model.path",
+                    "data.path needs the model's tokenizer: set model.path to the HF checkpoint directory "
+                    "(model.hf_config gives a shape without a tokenizer; keep it for `rlsys plan`)",
+                )
             self.task = None
             self.tokenizer = AutoTokenizer.from_pretrained(model.path)
             self.dataset = PromptDataset.from_config(data, self.tokenizer, "train", seed)

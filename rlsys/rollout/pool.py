@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
+from rlsys.errors import UserError
 from rlsys.rollout import protocol
 from rlsys.rollout.client import EngineClient, EngineError
 from rlsys.rollout.process import ServerError, ServerProcess
@@ -89,10 +90,22 @@ class EnginePool:
         timeout_s: float = 300.0,
         router_url: str | None = None,
         api_key: str | None = None,
+        probe_s: float = 10.0,
         **kwargs,
     ):
-        """A pool over servers that already run; nothing is started or stopped."""
+        """A pool over servers that already run; nothing is started or stopped. Each must answer its release
+        within ``probe_s`` (a refused, silent or foreign server fails here, naming ``rollout.urls[i]``)."""
         clients = [EngineClient(u, timeout_s, api_key=api_key) for u in urls]
+        for i, client in enumerate(clients):
+            try:
+                client.check_version(timeout_s=probe_s)
+            except EngineError as e:
+                for c in clients:
+                    c.close()
+                raise UserError(
+                    f"rollout.urls[{i}] = {client.url} does not answer as an SGLang server within {probe_s:g}s "
+                    f"({e.kind}: {e}); start the server there or fix the URL"
+                ) from e
         return cls(clients, router_url=router_url, **kwargs)
 
     @classmethod

@@ -274,3 +274,43 @@ def test_router_mode_sends_every_prompt_through_the_router(fake_server):
     finally:
         pool.close()
     assert not router.alive() and not any(e.alive() for e in engines)
+
+
+def test_attach_fails_fast_on_urls_that_refuse_hang_or_answer_garbage():
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from rlsys.errors import UserError
+    from rlsys.local_ranks import free_port
+
+    refused = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    silent = socket.socket()  # accepts the connection (the backlog), never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)
+
+    class Garbage(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"<html>not an engine</html>")
+
+        def log_message(self, *args):
+            pass
+
+    garbage = HTTPServer(("127.0.0.1", 0), Garbage)
+    threading.Thread(target=garbage.serve_forever, daemon=True).start()
+    try:
+        cases = [
+            (refused, 1.0),
+            (f"http://127.0.0.1:{silent.getsockname()[1]}", 3.0),
+            (f"http://127.0.0.1:{garbage.server_port}", 1.0),
+        ]
+        for url, bound in cases:
+            t0 = time.monotonic()
+            with pytest.raises(UserError, match=r"rollout.urls\[0\] = " + url) as info:
+                EnginePool.attach([url], probe_s=2)
+            assert time.monotonic() - t0 < bound + 2, (url, info.value)
+    finally:
+        garbage.shutdown()
+        silent.close()
