@@ -23,3 +23,9 @@ class ConfigError(UserError):
 
 class CheckpointError(UserError):
     """A missing, unsupported or corrupt checkpoint."""
+
+
+class TrainingDiverged(UserError):
+    """Too many consecutive steps whose updates were skipped for non-finite gradients."""
+
+    exit_code = 3

@@ -67,7 +67,7 @@ def read_yaml_file(path: str) -> dict:
     try:
         raw = parse_yaml(text)
     except yaml.YAMLError as e:
-        raise UserError(f"config file '{path}' is not valid YAML: {e}") from None
+        raise UserError(f"config file '{path}' is not valid YAML: {_yaml_problem(e)}") from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):
@@ -204,7 +204,7 @@ def apply_override(raw: dict, override: str, root: type, moved: MovedKeys | None
     try:
         value = parse_yaml(text)
     except yaml.YAMLError as e:
-        raise ConfigError(key, f"override value '{text}' is not valid YAML: {e}") from None
+        raise ConfigError(key, f"override value '{text}' is not valid YAML: {_yaml_problem(e)}") from None
     parts = key.split(".")
     tp: Any = root
     node = raw
@@ -233,3 +233,12 @@ def to_dict(obj: Any) -> dict:
         value = getattr(obj, f.name)
         out[f.name] = to_dict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
     return out
+
+
+def _yaml_problem(e: Exception) -> str:
+    """A YAML error on one line: what went wrong and where (PyYAML's own message spans several)."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e)
+    context = getattr(e, "context", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return " ".join(f"{context + ': ' if context else ''}{problem}{where}".split())

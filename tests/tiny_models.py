@@ -161,3 +161,13 @@ def random_train_batch(vocab: int, n: int = 8, seed: int = 0, min_len: int = 8, 
     batch.set("ref_logp", [-torch.rand(k, generator=g) * 8 for k in r])
     batch.set("loss_mask", [(torch.arange(k) % 5 != 2).float() for k in r])
     return batch
+
+
+def save_word_tokenizer(path):
+    """Tokenizer files for ids 0..1000 written as words "w0".."w1000" (the tiny checkpoints have none)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(1001)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)

@@ -312,6 +312,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     answer_key: str = "answer"  # ground truth handed to the reward function
     max_prompt_len: int = 1024  # tokens; longer prompts are dropped
+    max_bad_lines: float = 0.01  # share of a JSONL file's lines that may be unreadable (skipped, warned)
     prompts_per_step: int = 32  # prompts per RL step (each sampled n times)
     shuffle: bool = True
     chat_template: Literal["tokenizer", "plain"] = "tokenizer"  # apply the tokenizer's chat template or not
@@ -342,6 +343,8 @@ class TrainerConfig:
     resume: bool = True  # continue from the latest checkpoint in output_dir if there is one
     load_optimizer: bool = True  # false: resume weights only (e.g. after changing the parallel layout)
     eval_every: int = 0  # steps between greedy evaluations on the held-out prompts; 0 = never
+    # stop after this many consecutive steps whose updates were skipped for NaN/Inf gradients; 0 = never
+    max_bad_steps: int = 3
     eval_before_train: bool = False  # also evaluate before step 1 (logged as step 0), as verl's val_before_train
     export_hf: bool = True  # convert the final actor checkpoint to HF format (output_dir/hf_export)
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rlsys.errors import ConfigError
 from rlsys.telemetry.noise import worker_env
 from rlsys.worker.batch import TrainBatch
 from rlsys.worker.dispatch import dp_shards, merge_shards
+from rlsys.worker.faults import fault_env
 from rlsys.worker.rank import RankWorker
 from rlsys.worker.spec import RoleSpec
 
@@ -35,14 +37,18 @@ class RoleGroup:
             master = ray.get(self.ranks[0].address.remote())
         else:
             if world != 1:
-                raise ValueError(f"the in-process (no Ray) mode runs one rank per role; {role} has {world}")
+                raise ConfigError(
+                    f"{role}.world_size",
+                    f"--no-ray runs one rank per role in this process; {role} has {world}: drop --no-ray, or set "
+                    f"{role}.parallel to one rank (tp=pp=cp=ep=1, cluster.devices_per_node=1)",
+                )
             self.ranks = [RankWorker()]
             master = self.ranks[0].address()
         self.infos = self._all("init", *[(r, master, spec) for r in range(world)])
         self.dp = self.infos[0]["dp"]
 
     def _rank_options(self, rank: int, spec: RoleSpec, placement: Placement | None) -> dict:
-        env = {"OMP_NUM_THREADS": str(spec.threads), **worker_env()}
+        env = {"OMP_NUM_THREADS": str(spec.threads), **worker_env(), **fault_env()}
         if placement is None:
             options = {"num_gpus": 1} if spec.device == "cuda" else {"num_cpus": 0}
         else:
@@ -58,7 +64,12 @@ class RoleGroup:
         if self.use_ray:
             import ray
 
-            return ray.get([getattr(w, method).remote(*a) for w, a in zip(self.ranks, args)])
+            refs = [getattr(w, method).remote(*a) for w, a in zip(self.ranks, args)]
+            pending = refs
+            while pending:  # the first failure is raised at once: the other ranks may wait for the dead one
+                done, pending = ray.wait(pending, num_returns=1)
+                ray.get(done)
+            return ray.get(refs)
         return [getattr(w, method)(*a) for w, a in zip(self.ranks, args)]
 
     def _per_sample(self, method: str, batch: TrainBatch, *extra) -> dict[str, list]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from rlsys.algorithms import compute_advantages, masked_mean, mismatch_metrics, mismatch_weights
 from rlsys.algorithms import kl as kl_estimate
 from rlsys.config import RunConfig
-from rlsys.controller.metrics import Timer, sample_rows, step_metrics
+from rlsys.controller.metrics import Timer, check_updates, sample_rows, step_metrics
 from rlsys.controller.replay import rollout_dir, save_rollout
 from rlsys.controller.run import Run, build_run
 from rlsys.rollout.batch import RolloutBatch, response_tensors
@@ -60,6 +60,7 @@ def step(run: Run, n: int, consume) -> dict:
         metrics.update(run.source.evaluate())
     run.logger.log(n, metrics)
     run.progress.update(n, metrics)
+    check_updates(run.bad_steps, run.cfg.trainer.max_bad_steps, n, metrics)  # NaN gradients: skipped, stop after K
     if run.progress.should_sample(n):
         run.progress.samples(n, sample_rows(rolled, run.prompts.tokenizer, run.cfg.logging.num_samples))
     run.checkpoints.after_step(n, run.last_step, {"prompts": run.prompts.state_dict(), "kl_coef": run.kl.beta})

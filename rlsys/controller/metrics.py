@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 
 import torch
 
+from rlsys.errors import TrainingDiverged
 from rlsys.rollout.batch import RolloutBatch, solved_share
+
+logger = logging.getLogger(__name__)
 
 
 class Timer(dict):
@@ -50,3 +54,22 @@ def sample_rows(rolled: RolloutBatch, tokenizer, k: int) -> list[dict]:
     """The first ``k`` samples as printed and kept in ``samples.jsonl``."""
     rows = list(zip(rolled.samples, rolled.texts, rolled.scores.tolist()))[:k]
     return [{"prompt": tokenizer.decode(s.prompt_ids), "response": text, "reward": float(r)} for s, text, r in rows]
+
+
+def check_updates(bad_steps: list[int], limit: int, step: int, metrics: dict) -> None:
+    """NaN/Inf gradients skip an update (``MegatronEngine.step``: the weights stay as they were); after ``limit``
+    (``trainer.max_bad_steps``) such steps in a row the run stops, before the last of them is saved.
+    ``bad_steps``: the current run of such steps, kept by the caller."""
+    skipped = sum(v for k, v in metrics.items() if k.endswith("/skipped_updates"))
+    if not skipped:
+        bad_steps.clear()
+        return
+    bad_steps.append(step)
+    logger.warning("step %d: %d update(s) skipped for non-finite gradients (%d steps in a row)", step, skipped,
+                   len(bad_steps))  # fmt: skip
+    if limit and len(bad_steps) >= limit:
+        raise TrainingDiverged(
+            f"steps {bad_steps[0]}-{step}: {len(bad_steps)} steps in a row had non-finite gradients; their updates "
+            f"were skipped, so the weights are step {bad_steps[0] - 1}'s (and its checkpoint, if one was saved). "
+            "Lower actor.optimizer.lr, check the rewards and data, or raise trainer.max_bad_steps"
+        )

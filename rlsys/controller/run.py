@@ -30,6 +30,7 @@ from rlsys.data.prompts import PromptSource
 from rlsys.plan import enabled_roles, sync_transports
 from rlsys.rollout.batch import EngineRollout
 from rlsys.rollout.launch import start_engines
+from rlsys.rollout.pool import EnginePool
 
 if TYPE_CHECKING:
     from rlsys.telemetry.metrics import MetricsLogger
@@ -53,6 +54,7 @@ class Run:
     start: int  # the last step done before this run (a resumed checkpoint's step), 0 for a fresh one
     last_step: int
     closers: list = field(default_factory=list)  # (on success, on failure or None), in building order
+    bad_steps: list = field(default_factory=list)  # the current run of steps with skipped updates
 
     def steps(self) -> range:
         return range(self.start + 1, self.last_step + 1)
@@ -80,8 +82,6 @@ def build_run(cfg: RunConfig, mode: str = "full", replay_dir: str | None = None,
     """Start what ``mode`` needs (see the module docstring) and resume from the latest checkpoint."""
     if mode not in MODES:
         raise ValueError(f"mode must be 'full', 'rollout' or 'train', got {mode!r}")
-    out_dir = cfg.trainer.output_dir
-    os.makedirs(out_dir, exist_ok=True)
     closers: list = []
     try:
         return _build(cfg, mode, replay_dir, use_ray, closers)
@@ -98,6 +98,12 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
     out_dir = cfg.trainer.output_dir
     replay = Replay(replay_dir or rollout_dir(out_dir)) if mode == "train" else None
     prompts = PromptSource(cfg.data, cfg.model, seed=cfg.trainer.seed)
+    rewards = RewardManager(cfg.reward) if replay is None else None  # a bad reward fails before anything starts
+    if rewards is not None:
+        closers.append((rewards.close, rewards.close))
+    if cfg.rollout.urls and replay is None:
+        EnginePool.attach(cfg.rollout.urls, api_key=cfg.rollout.api_key).close()  # refused or foreign: fail now
+    os.makedirs(out_dir, exist_ok=True)  # only now: bad data, model, reward or engine input writes nothing
     model_dir = prepare_model_dir(cfg.model, out_dir, prompts.tokenizer, cfg.trainer.seed)
     placement = None
     if use_ray:  # one placement group: every rank and engine on its device (rlsys.controller.placement)
@@ -118,10 +124,7 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
             memory_saver=releases_engine_memory(cfg),
         )
         closers.append((engines.close, engines.close))
-        source = EngineRollout(
-            engines, prompts, RewardManager(cfg.reward), cfg.rollout.sampling, cfg.algorithm.filters, cfg.trainer.seed
-        )
-        closers.append((source.close, source.close))
+        source = EngineRollout(engines, prompts, rewards, cfg.rollout.sampling, cfg.algorithm.filters, cfg.trainer.seed)
     else:
         source = replay
 

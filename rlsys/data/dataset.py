@@ -53,31 +53,47 @@ def _files(path: str) -> list[str]:
     return [path]
 
 
-def _read_json(path: str) -> list[dict]:
+def _read_json(path: str, max_bad_lines: float) -> list[dict]:
     with open(path) as f:
         text = f.read()
     if path.endswith(".json") and text.lstrip().startswith("["):
-        return json.loads(text)
-    records = []
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError("data.path", f"{path}: not a JSON array: {e}") from None
+    records, bad, lines = [], [], 0
     for n, line in enumerate(text.splitlines(), 1):
         if line.strip():
+            lines += 1
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise ConfigError("data.path", f"{path}:{n}: not a JSON line: {e}") from None
+                bad.append((n, e))
+    if bad:
+        (first, err), share = bad[0], len(bad) / lines
+        what = f"{path}: {len(bad)} of {lines} lines are not JSON (first: line {first}: {err})"
+        if share > max_bad_lines:
+            raise ConfigError(
+                "data.path", f"{what}; fix them, or let data.max_bad_lines (a share, now {max_bad_lines:g}) skip them"
+            )
+        logger.warning("%s: skipped (data.max_bad_lines=%g)", what, max_bad_lines)
     return records
 
 
-def load_records(path: str) -> list[dict]:
-    """All records of a file, or of every data file in a directory (in name order)."""
+def load_records(path: str, max_bad_lines: float = 0.0) -> list[dict]:
+    """All records of a file, or of every data file in a directory (in name order). Unreadable JSON lines
+    are skipped with a warning while they are at most ``max_bad_lines`` of a file's lines."""
     records = []
     for f in _files(path):
         if f.endswith((".parquet", ".pq")):
             import pyarrow.parquet as pq
 
-            records.extend(pq.read_table(f).to_pylist())
+            try:
+                records.extend(pq.read_table(f).to_pylist())
+            except Exception as e:  # pyarrow raises its own types for a truncated or foreign file
+                raise ConfigError("data.path", f"{f}: not a readable parquet file: {e}") from None
         else:
-            records.extend(_read_json(f))
+            records.extend(_read_json(f, max_bad_lines))
     if records and not all(isinstance(r, dict) for r in records):
         raise ConfigError("data.path", f"{path!r}: every record must be a JSON object")
     return records
@@ -156,7 +172,7 @@ class PromptDataset:
         elif path is None:
             return None
         else:
-            records, source = load_records(path), path
+            records, source = load_records(path, data_cfg.max_bad_lines), path
         return cls(
             records,
             tokenizer,

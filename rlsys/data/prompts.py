@@ -36,7 +36,15 @@ class PromptSource:
                     "(model.hf_config gives a shape without a tokenizer; keep it for `rlsys plan`)",
                 )
             self.task = None
-            self.tokenizer = AutoTokenizer.from_pretrained(model.path)
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(model.path)
+            except Exception as e:  # transformers raises ValueError, OSError, KeyError... for a missing tokenizer
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ConfigError(
+                    "model.path",
+                    f"{model.path!r} has no loadable tokenizer ({first}); data.path needs one: copy the "
+                    "tokenizer files (tokenizer.json, tokenizer_config.json) into the checkpoint directory",
+                ) from None
             self.dataset = PromptDataset.from_config(data, self.tokenizer, "train", seed)
             self.eval_dataset = PromptDataset.from_config(data, self.tokenizer, "eval", seed)
             self.sampler = EpochSampler(len(self.dataset), seed=seed, shuffle=data.shuffle)

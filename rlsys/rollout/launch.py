@@ -216,6 +216,7 @@ def launch_cpu_engine(
     fd, log_path = tempfile.mkstemp(prefix="rlsys-cpu-engine-", suffix=".log")
     cmd = [sys.executable, "-m", "rlsys.rollout.cpu.server", "--model-path", model_path, "--host", host]
     cmd += ["--port", str(port), "--dtype", dtype, "--seed", str(seed), "--weight-version", weight_version]
+    cmd += ["--exit-with-parent"]
     with os.fdopen(fd, "w") as log:
         proc = subprocess.Popen([*cmd, *extra_args], stdout=log, stderr=subprocess.STDOUT, env=env or os.environ.copy())
     proc.log_path = log_path
@@ -243,6 +244,7 @@ def cpu_engine_command(
     # sys.executable of the process that builds the command: the engine's host on a remote node
     command = [sys.executable, "-m", "rlsys.rollout.cpu.server", "--model-path", model_dir, "--host", host]
     command += ["--port", port, "--seed", seed, "--dtype", "float32", "--max-bucket-mb", bucket_mb]
+    command += ["--exit-with-parent"]  # a launcher killed by SIGKILL leaves no engine behind
     return command + (["--api-key", api_key] if api_key else [])
 
 

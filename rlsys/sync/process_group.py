@@ -36,4 +36,7 @@ def init_custom_process_group(
 
 
 def destroy_custom_process_group(pg: dist.ProcessGroup) -> None:
-    dist.destroy_process_group(pg)
+    # Gone already when this process's default world was destroyed first (roles sharing the driver
+    # process in the no-Ray mode: the first role to shut down takes every group with it).
+    if pg in c10d._world.pg_map:
+        dist.destroy_process_group(pg)

@@ -14,6 +14,7 @@ from rlsys.algorithms.vocab_parallel import logprobs_and_entropy
 from rlsys.config import PolicyObjective
 from rlsys.worker.batch import TrainBatch, unpad_rows
 from rlsys.worker.engine import MegatronEngine
+from rlsys.worker.faults import kill_rank_in_update, nan_update
 from rlsys.worker.microbatch import ModelInput, response_fields
 
 ACTOR_METRICS = {
@@ -41,6 +42,7 @@ class PolicyWorker:
         self.topo = engine.topo
         self.vocab_size = engine.arch.vocab_size
         self._own_old, self._seen, self._lengths = False, [], []  # see update
+        self._updates = 0  # this process's update calls (rlsys.worker.faults)
 
     # -- shared pieces ------------------------------------------------------------------------
 
@@ -95,6 +97,8 @@ class PolicyWorker:
         if self._own_old and (schedule.ppo_epochs, schedule.mini_batches_per_step) != (1, 1):
             raise ValueError("an update without old_logp must be one epoch of one mini-batch (on-policy)")
         self._seen, self._lengths = [], batch.response_lengths
+        self._updates += 1
+        kill_rank_in_update(self._updates)  # test hook (rlsys.worker.faults)
         return self.engine.train(
             batch,
             schedule.mini_batches_per_step,
@@ -148,6 +152,8 @@ class PolicyWorker:
                 ent_value, _ = entropy_bonus(ent, mask, pl.agg_mode, **denominators)
                 loss = loss - pl.entropy_coef * ent_value
                 entry["actor/entropy_loss"] = (float(ent_value), 1.0)
+            if nan_update(self._updates):
+                loss = loss * float("nan")
             entry["actor/loss"] = (float(loss), 1.0)
             return loss, entry
 

@@ -192,6 +192,7 @@ def save_training_state(
 
     from rlsys.config import ParallelConfig
     from rlsys.convert.mcore_checkpoint import write_meta
+    from rlsys.worker.faults import kill_in_save
 
     hf_dir = hf_dir or getattr(engine, "hf_dir", None)
     if hf_dir is None:
@@ -211,6 +212,7 @@ def save_training_state(
     dist_checkpointing.save(_sharded_state(engine, fmt, is_loading=False, with_rng=True), tmp, _save_strategy(engine))
 
     if rank == 0:
+        kill_in_save(step)  # test hook (rlsys.worker.faults): a crash with the shards written, nothing final
         t = engine.topo
         layout = ParallelConfig(tp=t.tp, pp=t.pp, ep=t.ep, etp=t.etp)
         write_meta(tmp, hf_dir, engine.arch, engine.dtype, layout, engine.chunks[0].vocab_size)

@@ -302,11 +302,14 @@ class MegatronEngine:
                 groups, fixed = self.plan_microbatches(mini, f"{prefix}.batch.max_tokens_per_microbatch")
                 self.zero_grad()
                 entries = self.run(self.inputs(mini, groups, fixed), loss_fn=make_loss(mini, denominators))
-                grad_norm, lr = self.step()
+                grad_norm, lr, skipped = self.step()
                 metrics = reduce_metrics(entries, spec, self.topo)
                 metrics.update({f"{prefix}/grad_norm": grad_norm, f"{prefix}/lr": lr})
+                metrics[f"{prefix}/skipped_updates"] = float(skipped)
                 steps.append(metrics)
-        out = {name: sum(s[name] for s in steps) / len(steps) for name in steps[0]}
+        good = [s for s in steps if not s[f"{prefix}/skipped_updates"]] or steps
+        out = {name: sum(s[name] for s in good) / len(good) for name in steps[0]}
+        out[f"{prefix}/skipped_updates"] = sum(s[f"{prefix}/skipped_updates"] for s in steps)
         out[f"{prefix}/lr"] = steps[-1][f"{prefix}/lr"]
         return out
 
@@ -332,11 +335,28 @@ class MegatronEngine:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def step(self) -> tuple[float, float]:
-        """Clip, step and advance the LR schedule; returns ``(grad_norm, lr)`` (same on every rank)."""
+    def step(self) -> tuple[float, float, bool]:
+        """Clip, step and advance the LR schedule; returns ``(grad_norm, lr, skipped)`` (same on every rank).
+
+        Non-finite gradients on any rank skip the step on all of them: no parameter, optimizer state or LR
+        schedule changes (``skipped``; grad_norm NaN). Megatron checks only under fp16's loss scaler; in fp32
+        and bf16 its clipping would spread one NaN into every weight."""
+        if not self._grads_finite():
+            return float("nan"), float(self.optimizer.param_groups[0]["lr"]), True
         ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise FloatingPointError("optimizer step skipped: non-finite gradients (lower the LR or check the data)")
+        if not ok:  # fp16: the loss scaler found an overflow and lowered its scale
+            return float("nan"), float(self.optimizer.param_groups[0]["lr"]), True
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step(increment=1)
-        return float(grad_norm if grad_norm is not None else 0.0), float(lr)
+        return float(grad_norm if grad_norm is not None else 0.0), float(lr), False
+
+    def _grads_finite(self) -> bool:
+        bad = torch.zeros(1, device=self.topo.device)
+        for m in self.model:
+            for p in m.parameters():
+                grad = getattr(p, "main_grad", None)
+                if grad is not None and not bool(torch.isfinite(grad).all()):
+                    bad.fill_(1.0)
+                    break
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # the role's world: every TP/PP/DP/CP/EP rank decides alike
+        return bad.item() == 0

@@ -16,7 +16,7 @@ import pytest
 import requests
 import torch
 import torch.distributed as dist
-from tiny_models import make_tiny_hf_checkpoint
+from tiny_models import make_tiny_hf_checkpoint, save_word_tokenizer
 
 from rlsys.architectures.hf_checkpoint import HFCheckpoint
 from rlsys.architectures.hf_config import SUPPORTED_MODEL_TYPES
@@ -50,16 +50,6 @@ def one_thread():
 
 def _engine(path):
     return launch_cpu_engine(path, dtype="float32", seed=0)  # --num-threads 1 by default
-
-
-def save_word_tokenizer(path):
-    """Tokenizer files for ids 0..1000 written as words "w0".."w1000" (the tiny checkpoints have none)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(1001)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
 
 
 @pytest.fixture(scope="module")

@@ -64,3 +64,25 @@ def test_ppo_with_critic(tmp_path):
     )
     check_steps(history)
     assert all("critic/vf_loss" in m for m in history)
+
+
+def test_a_killed_trainer_rank_stops_the_run_promptly_and_it_resumes(tmp_path, monkeypatch):
+    """TP rank 1 dies at the start of its 3rd update while rank 0 waits in the update's collectives: the run
+    must stop at once (not after a collective timeout) with the step-2 checkpoint intact, and resume."""
+    import time
+
+    from rlsys.worker.checkpoint import latest_checkpoint
+    from rlsys.worker.faults import KILL_RANK
+
+    monkeypatch.setenv(KILL_RANK, "1:3")
+    keys = ("trainer.save_every=1", "trainer.export_hf=false", "trainer.keep_last=0")
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as info:
+        run(tmp_path, "killed", 4, *keys)
+    waited = time.monotonic() - t0
+    assert "RankWorker" in str(info.value) or "died" in str(info.value).lower(), info.value
+    assert waited < 120, f"took {waited:.0f}s to notice the dead rank"
+    assert latest_checkpoint(str(tmp_path / "killed" / "checkpoints")).endswith("step_00000002")
+    monkeypatch.delenv(KILL_RANK)
+    resumed, _ = run(tmp_path, "killed", 4, *keys)
+    check_steps(resumed, first_step=3)

@@ -58,8 +58,10 @@ def test_missing_file_and_keys_name_the_config_key(tmp_path, jsonl):
         PromptDataset.from_config(_cfg(jsonl, answer_key="meta.answer"), tok)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "x"}\n{oops\n')
-    with pytest.raises(ConfigError, match="bad.jsonl:2"):
+    with pytest.raises(ConfigError, match="bad.jsonl: 1 of 2 lines are not JSON .first: line 2.*data.max_bad_lines"):
         load_records(str(bad))
+    bad.write_text("".join(f'{{"question": "{i}"}}\n' for i in range(199)) + "{oops\n")  # 0.5%: skipped
+    assert len(load_records(str(bad), max_bad_lines=0.01)) == 199
 
 
 def test_long_prompts_are_dropped_counted_and_logged(jsonl, caplog):

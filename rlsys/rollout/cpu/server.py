@@ -27,6 +27,7 @@ import math
 import os
 import random
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -472,6 +473,21 @@ def request_cap(model: torch.nn.Module, bucket_mb: float) -> int:
     return int(max(bucket_mb * (1 << 20), largest) * 4 / 3) + (64 << 20)
 
 
+def _exit_with_parent(poll_s: float = 1.0) -> None:
+    """Exit when the process that launched this engine is gone, even if it died by SIGKILL (a killed driver
+    must not leave an engine holding its port and memory): a daemon thread watches for re-parenting.
+    (Not PR_SET_PDEATHSIG: it fires when the launching *thread* exits, and launchers use thread pools.)"""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        logger.warning("the launching process %d is gone: exiting", parent)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="SGLang-protocol rollout engine on CPU (transformers)")
     ap.add_argument("--model-path", required=True)
@@ -484,6 +500,7 @@ def main(argv=None) -> None:
     ap.add_argument("--enable-weights-cpu-backup", action="store_true", help="resume restores released weights")
     ap.add_argument("--num-threads", type=int, default=1, help="torch CPU threads (1 suits small models)")
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (but on /health)")
+    ap.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process is gone")
     ap.add_argument(
         "--weight-roots",
         default=None,
@@ -495,6 +512,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         ap.error(f"--host {args.host} reaches beyond this machine: give --api-key (rlsys passes a fresh one per run)")
+    if args.exit_with_parent:
+        _exit_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.num_threads)
     torch.manual_seed(args.seed)

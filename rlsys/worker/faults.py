@@ -1,0 +1,44 @@
+"""Fault injection for tests, through the environment (the README's "Failure behaviour" lists it).
+
+* ``RLSYS_FAULT_NAN_UPDATES=2,3``: the actor loss of this process's 2nd and 3rd updates is NaN, as a
+  diverging step's would be.
+* ``RLSYS_FAULT_KILL_RANK=1:2``: rank 1 of a role SIGKILLs its own process at the start of its 2nd update,
+  while its peers enter the update's collectives.
+* ``RLSYS_FAULT_KILL_IN_SAVE=2``: rank 0 SIGKILLs its own process while writing the step-2 checkpoint,
+  after the shards are on disk and before the checkpoint is complete (with ``--no-ray`` that process
+  is the driver).
+
+Tests drive the real detection, skip and recovery paths with them, without patching rlsys. Unset, nothing
+changes. The controller passes every ``RLSYS_FAULT_*`` variable on to the ranks it starts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+PREFIX = "RLSYS_FAULT_"
+NAN_UPDATES = PREFIX + "NAN_UPDATES"
+KILL_IN_SAVE = PREFIX + "KILL_IN_SAVE"
+KILL_RANK = PREFIX + "KILL_RANK"
+
+
+def fault_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(PREFIX)}
+
+
+def nan_update(count: int) -> bool:
+    """Whether update number ``count`` (1-based, in this process) is to produce a NaN loss."""
+    spec = os.environ.get(NAN_UPDATES, "")
+    return str(count) in {part.strip() for part in spec.split(",")}
+
+
+def kill_in_save(step: int) -> None:
+    if os.environ.get(KILL_IN_SAVE, "").strip() == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_rank_in_update(count: int) -> None:
+    rank, _, update = os.environ.get(KILL_RANK, "").partition(":")
+    if rank.strip() == os.environ.get("RANK") and update.strip() == str(count):
+        os.kill(os.getpid(), signal.SIGKILL)

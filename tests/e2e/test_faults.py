@@ -1,0 +1,105 @@
+"""Non-finite gradients, injected through the documented hook (``rlsys.worker.faults``): the update is
+skipped on every rank with the weights left exactly as they were, counted, and K such steps in a row stop
+the run with the last checkpoint intact and resumable."""
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlsys.config import load_config
+from rlsys.controller.loop import train
+from rlsys.errors import TrainingDiverged
+from rlsys.worker.checkpoint import latest_checkpoint
+from rlsys.worker.faults import NAN_UPDATES
+
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny-cpu-grpo.yaml")
+ONE_RANK = [
+    "actor.parallel.tp=1",
+    "cluster.devices_per_node=1",
+    "data.prompts_per_step=4",
+    "rollout.sampling.n=4",
+    "rollout.sampling.max_new_tokens=4",
+    "logging.tensorboard=false",
+]
+
+
+def run(tmp_path, name, steps, *overrides):
+    cfg = load_config(
+        CONFIG, [f"trainer.output_dir={tmp_path / name}", f"trainer.steps={steps}", *ONE_RANK, *overrides]
+    )
+    return train(cfg, use_ray=False)
+
+
+def exported(tmp_path, name) -> dict:
+    folder = tmp_path / name / "hf_export"
+    return {
+        k: v for f in sorted(os.listdir(folder)) if f.endswith(".safetensors") for k, v in load_file(folder / f).items()
+    }
+
+
+def test_a_nan_update_is_skipped_and_leaves_the_weights_exactly(tmp_path, monkeypatch):
+    monkeypatch.setenv(NAN_UPDATES, "2")
+    history = run(tmp_path, "nan", 2)
+    assert [m["actor/skipped_updates"] for m in history] == [0.0, 1.0]
+    assert history[1]["actor/grad_norm"] != history[1]["actor/grad_norm"]  # NaN: nothing was clipped or stepped
+    monkeypatch.delenv(NAN_UPDATES)
+    run(tmp_path, "one", 1)  # the same first step, then stop: the weights step 2 must have kept
+    skipped, reference = exported(tmp_path, "nan"), exported(tmp_path, "one")
+    assert skipped.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(skipped[name], tensor), name
+        assert torch.isfinite(tensor).all()
+
+
+def test_k_bad_steps_in_a_row_stop_the_run_and_it_resumes(tmp_path, monkeypatch):
+    monkeypatch.setenv(NAN_UPDATES, "2,3")
+    keys = ("trainer.save_every=1", "trainer.max_bad_steps=2", "trainer.export_hf=false", "trainer.keep_last=0")
+    with pytest.raises(TrainingDiverged, match=r"steps 2-3: 2 steps in a row had non-finite gradients.*max_bad_steps"):
+        run(tmp_path, "diverged", 4, *keys)
+    assert latest_checkpoint(str(tmp_path / "diverged" / "checkpoints")).endswith("step_00000002")  # step 3 never saved
+    monkeypatch.delenv(NAN_UPDATES)
+    resumed = run(tmp_path, "diverged", 4, *keys)
+    assert [m["step"] for m in resumed] == [3, 4]
+    assert all(m["actor/skipped_updates"] == 0.0 for m in resumed)
+
+
+def test_a_crash_while_saving_keeps_the_previous_checkpoint_and_leaves_no_engine(tmp_path):
+    """The driver (``--no-ray``: rank 0 runs in it) SIGKILLed between writing the step-2 shards and making the
+    checkpoint complete: step 1 stays the latest, the engine exits with its launcher, and a resume continues."""
+    import subprocess
+    import sys
+    import time
+
+    from rlsys.worker.faults import KILL_IN_SAVE
+
+    out = tmp_path / "killed"
+    keys = [*ONE_RANK, f"trainer.output_dir={out}", "trainer.save_every=1", "trainer.keep_last=0"]
+    cmd = [sys.executable, "-m", "rlsys.cli", "train", CONFIG, *keys, "trainer.export_hf=false", "--no-ray"]
+    proc = subprocess.run([*cmd, "trainer.steps=3"], env={**os.environ, KILL_IN_SAVE: "2"}, capture_output=True)
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    ckpts = out / "checkpoints"
+    assert latest_checkpoint(str(ckpts)).endswith("step_00000001")
+    assert any(p.name.startswith(".tmp_step_00000002") for p in ckpts.iterdir())  # the half-written one
+    deadline = time.time() + 10
+    while engine_alive(str(out)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not engine_alive(str(out)), "the CPU engine outlived its killed launcher"
+    resumed = run(tmp_path, "killed", 3, "trainer.save_every=1", "trainer.keep_last=0", "trainer.export_hf=false")
+    assert [m["step"] for m in resumed] == [2, 3]
+    assert latest_checkpoint(str(ckpts)).endswith("step_00000003")
+    assert not any(p.name.startswith(".tmp_") for p in ckpts.iterdir())  # the leftover was cleaned up
+
+
+def engine_alive(marker: str) -> bool:
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if b"rlsys.rollout.cpu.server" in cmdline and marker.encode() in cmdline:
+            return True
+    return False
