@@ -69,6 +69,8 @@ def test_k_bad_steps_in_a_row_stop_the_run_and_it_resumes(tmp_path, monkeypatch)
 def test_a_crash_while_saving_keeps_the_previous_checkpoint_and_leaves_no_engine(tmp_path):
     """The driver (``--no-ray``: rank 0 runs in it) SIGKILLed between writing the step-2 shards and making the
     checkpoint complete: step 1 stays the latest, the engine exits with its launcher, and a resume continues."""
+    import contextlib
+    import signal
     import subprocess
     import sys
     import time
@@ -77,9 +79,12 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint_and_leaves_no_engine
 
     out = tmp_path / "killed"
     keys = [*ONE_RANK, f"trainer.output_dir={out}", "trainer.save_every=1", "trainer.keep_last=0"]
-    cmd = [sys.executable, "-m", "rlsys.cli", "train", CONFIG, *keys, "trainer.export_hf=false", "--no-ray"]
-    proc = subprocess.run([*cmd, "trainer.steps=3"], env={**os.environ, KILL_IN_SAVE: "2"}, capture_output=True)
-    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    cmd = [sys.executable, "-m", "rlsys.cli", "train", CONFIG, *keys, "trainer.export_hf=false", "trainer.steps=3"]
+    log = tmp_path / "killed.log"
+    with open(log, "wb") as f:  # a file, not a pipe: orphans of the killed driver may hold it open
+        proc = subprocess.Popen([*cmd, "--no-ray"], env={**os.environ, KILL_IN_SAVE: "2"}, stdout=f, stderr=f,
+                                start_new_session=True)  # fmt: skip
+        assert proc.wait(timeout=300) == -9, log.read_text()[-2000:]
     ckpts = out / "checkpoints"
     assert latest_checkpoint(str(ckpts)).endswith("step_00000001")
     assert any(p.name.startswith(".tmp_step_00000002") for p in ckpts.iterdir())  # the half-written one
@@ -87,6 +92,10 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint_and_leaves_no_engine
     while engine_alive(str(out)) and time.time() < deadline:
         time.sleep(0.2)
     assert not engine_alive(str(out)), "the CPU engine outlived its killed launcher"
+    # megatron's checkpoint writer leaves a multiprocessing Manager server that outlives a SIGKILLed parent;
+    # end the session as a job supervisor (slurm, a container) ends a dead job's processes
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
     resumed = run(tmp_path, "killed", 3, "trainer.save_every=1", "trainer.keep_last=0", "trainer.export_hf=false")
     assert [m["step"] for m in resumed] == [2, 3]
     assert latest_checkpoint(str(ckpts)).endswith("step_00000003")
