@@ -339,6 +339,7 @@ class TrainerConfig:
     output_dir: str = "outputs/run"
     save_every: int = 50  # steps between checkpoints; 0 = only at the end
     keep_last: int = 2  # checkpoints kept; 0 = keep all
+    on_save_error: Literal["stop", "continue"] = "stop"  # a save that fails (disk full): stop, or train on without it
     seed: int = 42
     resume: bool = True  # continue from the latest checkpoint in output_dir if there is one
     load_optimizer: bool = True  # false: resume weights only (e.g. after changing the parallel layout)

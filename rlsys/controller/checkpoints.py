@@ -5,10 +5,14 @@ A rollout-only run trains nothing, so it has ``NoCheckpoints``: it starts at ste
 
 from __future__ import annotations
 
+import logging
 import os
 
 from rlsys.config import TrainerConfig
+from rlsys.errors import CheckpointError
 from rlsys.worker.checkpoint import latest_checkpoint
+
+logger = logging.getLogger(__name__)
 
 
 class Checkpoints:
@@ -33,10 +37,21 @@ class Checkpoints:
         every = self.cfg.save_every
         if not ((every and step % every == 0) or step == last_step):
             return
-        with self.turns.on_device(self.actor, self.critic):
-            if self.critic is not None:  # first, so an actor checkpoint always has its critic
-                self.critic.save(self.critic_dir, step, extra, self.cfg.keep_last)
-            self.actor.save(self.actor_dir, step, extra, self.cfg.keep_last)
+        try:
+            with self.turns.on_device(self.actor, self.critic):
+                if self.critic is not None:  # first, so an actor checkpoint always has its critic
+                    self.critic.save(self.critic_dir, step, extra, self.cfg.keep_last)
+                self.actor.save(self.actor_dir, step, extra, self.cfg.keep_last)
+        except OSError as e:  # a full disk or a quota; under Ray the rank's error is an OSError too
+            latest = latest_checkpoint(self.actor_dir)
+            what = f"saving step {step} failed ({e}); the latest complete checkpoint is {latest or 'none'}"
+            if self.cfg.on_save_error == "continue" and step != last_step:
+                logger.error("%s; training goes on (trainer.on_save_error: continue)", what)
+                return
+            raise CheckpointError(
+                f"{what}. Free space under {self.cfg.output_dir}, then resume (trainer.resume=true); or set "
+                "trainer.on_save_error: continue to train on past failed saves (the final one still stops the run)"
+            ) from None
 
     def export(self) -> None:
         """The final actor in HF format (``output_dir/hf_export``), when ``trainer.export_hf``."""

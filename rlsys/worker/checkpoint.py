@@ -192,7 +192,7 @@ def save_training_state(
 
     from rlsys.config import ParallelConfig
     from rlsys.convert.mcore_checkpoint import write_meta
-    from rlsys.worker.faults import kill_in_save
+    from rlsys.worker.faults import enospc_in_save, kill_in_save
 
     hf_dir = hf_dir or getattr(engine, "hf_dir", None)
     if hf_dir is None:
@@ -211,27 +211,39 @@ def save_training_state(
     fmt = _optimizer_format(engine)
     dist_checkpointing.save(_sharded_state(engine, fmt, is_loading=False, with_rng=True), tmp, _save_strategy(engine))
 
+    failure = torch.zeros(1, dtype=torch.int64, device=engine.topo.device)
     if rank == 0:
-        kill_in_save(step)  # test hook (rlsys.worker.faults): a crash with the shards written, nothing final
-        t = engine.topo
-        layout = ParallelConfig(tp=t.tp, pp=t.pp, ep=t.ep, etp=t.etp)
-        write_meta(tmp, hf_dir, engine.arch, engine.dtype, layout, engine.chunks[0].vocab_size)
-        train_state = dict(
-            format_version=FORMAT_VERSION,
-            step=step,
-            saved_at=time.time(),
-            layout=_layout(engine),
-            optimizer=fmt,
-            scheduler=engine.scheduler.state_dict() if engine.scheduler is not None else None,
-            extra=json.loads(extra_json),
-        )
-        _write_json(os.path.join(tmp, TRAIN_STATE_FILE), train_state)
-        if os.path.exists(final):  # saving a step again (e.g. after resuming from an earlier one)
-            os.rename(final, os.path.join(root_dir, f"{OLD_PREFIX}{step:08d}"))
-        os.rename(tmp, final)
-        _fsync_dir(root_dir)
-        _prune(root_dir, keep_last)
-    dist.barrier()  # nobody returns (or loads) before the checkpoint is in place
+        try:
+            kill_in_save(step)  # test hooks (rlsys.worker.faults): a crash or a full disk with the shards written
+            enospc_in_save(step)
+            t = engine.topo
+            layout = ParallelConfig(tp=t.tp, pp=t.pp, ep=t.ep, etp=t.etp)
+            write_meta(tmp, hf_dir, engine.arch, engine.dtype, layout, engine.chunks[0].vocab_size)
+            train_state = dict(
+                format_version=FORMAT_VERSION,
+                step=step,
+                saved_at=time.time(),
+                layout=_layout(engine),
+                optimizer=fmt,
+                scheduler=engine.scheduler.state_dict() if engine.scheduler is not None else None,
+                extra=json.loads(extra_json),
+            )
+            _write_json(os.path.join(tmp, TRAIN_STATE_FILE), train_state)
+            if os.path.exists(final):  # saving a step again (e.g. after resuming from an earlier one)
+                os.rename(final, os.path.join(root_dir, f"{OLD_PREFIX}{step:08d}"))
+            os.rename(tmp, final)
+            _fsync_dir(root_dir)
+            _prune(root_dir, keep_last)
+        except OSError as e:  # a full disk, a quota: every rank learns it, the partial directory goes
+            failure.fill_(e.errno or -1)
+            shutil.rmtree(tmp, ignore_errors=True)
+            aside = os.path.join(root_dir, f"{OLD_PREFIX}{step:08d}")
+            if os.path.exists(aside) and not os.path.exists(final):  # the earlier copy of this step comes back
+                os.rename(aside, final)
+    dist.broadcast(failure, 0)  # also the barrier: nobody returns (or loads) before the checkpoint is in place
+    if failure.item():
+        code = int(failure.item())
+        raise OSError(code, f"writing checkpoint step {step} under {root_dir} failed: {os.strerror(code)}")
     return final
 
 

@@ -4,6 +4,8 @@
   diverging step's would be.
 * ``RLSYS_FAULT_KILL_RANK=1:2``: rank 1 of a role SIGKILLs its own process at the start of its 2nd update,
   while its peers enter the update's collectives.
+* ``RLSYS_FAULT_ENOSPC_IN_SAVE=2``: rank 0's writes of the step-2 checkpoint fail with ENOSPC (a full disk)
+  after the shards, where its metadata and ``train_state.json`` go.
 * ``RLSYS_FAULT_KILL_IN_SAVE=2``: rank 0 SIGKILLs its own process while writing the step-2 checkpoint,
   after the shards are on disk and before the checkpoint is complete (with ``--no-ray`` that process
   is the driver).
@@ -14,6 +16,7 @@ changes. The controller passes every ``RLSYS_FAULT_*`` variable on to the ranks 
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 
@@ -21,6 +24,7 @@ PREFIX = "RLSYS_FAULT_"
 NAN_UPDATES = PREFIX + "NAN_UPDATES"
 KILL_IN_SAVE = PREFIX + "KILL_IN_SAVE"
 KILL_RANK = PREFIX + "KILL_RANK"
+ENOSPC_IN_SAVE = PREFIX + "ENOSPC_IN_SAVE"
 
 
 def fault_env() -> dict[str, str]:
@@ -42,3 +46,8 @@ def kill_rank_in_update(count: int) -> None:
     rank, _, update = os.environ.get(KILL_RANK, "").partition(":")
     if rank.strip() == os.environ.get("RANK") and update.strip() == str(count):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def enospc_in_save(step: int) -> None:
+    if os.environ.get(ENOSPC_IN_SAVE, "").strip() == str(step):
+        raise OSError(errno.ENOSPC, "No space left on device (injected by RLSYS_FAULT_ENOSPC_IN_SAVE)")

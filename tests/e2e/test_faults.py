@@ -112,3 +112,24 @@ def engine_alive(marker: str) -> bool:
         if b"rlsys.rollout.cpu.server" in cmdline and marker.encode() in cmdline:
             return True
     return False
+
+
+def test_a_full_disk_while_saving_stops_cleanly_or_trains_on(tmp_path, monkeypatch):
+    """ENOSPC on rank 0's writes of the step-2 checkpoint (the documented hook): by default the run stops with
+    one message naming the latest complete checkpoint; with ``on_save_error: continue`` it trains on."""
+    from rlsys.errors import CheckpointError
+    from rlsys.worker.faults import ENOSPC_IN_SAVE
+
+    monkeypatch.setenv(ENOSPC_IN_SAVE, "2")
+    keys = ("trainer.save_every=1", "trainer.keep_last=0", "trainer.export_hf=false")
+    with pytest.raises(
+        CheckpointError, match=r"saving step 2 failed.*No space left.*latest complete checkpoint is .*step_00000001"
+    ):
+        run(tmp_path, "stop", 3, *keys)
+    ckpts = tmp_path / "stop" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000001"]  # the partial one removed, step 1 intact
+
+    history = run(tmp_path, "continue", 3, *keys, "trainer.on_save_error=continue")
+    assert [m["step"] for m in history] == [1, 2, 3]
+    ckpts = tmp_path / "continue" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000001", "step_00000003"]
