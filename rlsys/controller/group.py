@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rlsys.errors import ConfigError
+from rlsys.faults import fault_env
 from rlsys.telemetry.noise import worker_env
 from rlsys.worker.batch import TrainBatch
 from rlsys.worker.dispatch import dp_shards, merge_shards
-from rlsys.worker.faults import fault_env
 from rlsys.worker.rank import RankWorker
 from rlsys.worker.spec import RoleSpec
 

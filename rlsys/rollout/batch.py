@@ -84,6 +84,7 @@ class EngineRollout:
             samples = self.engines.generate([p.ids for p in prompts], params)
         with timer("reward"):
             texts, scores, metrics = self._score(prompts, samples)
+        metrics["rollout/engine_restarts"] = float(self.engines.restarts)  # so far in this run
         overlong = self.filters.overlong
         if overlong.enabled:
             lengths = torch.tensor([len(s.output_ids) for s in samples])

@@ -74,6 +74,7 @@ class EnginePool:
         self.prompts_per_request = prompts_per_request
         self.max_retries = max_retries
         self.down: dict[int, str] = {}  # engines that get no work → why: unreachable | stuck | unsynced
+        self.restarts = 0  # engines restarted so far (the step metrics report it as rollout/engine_restarts)
         self._next = 0  # round-robin cursor
         self._suspect = False  # a request failed since the last check_and_restart
         self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="engine-pool")
@@ -264,6 +265,7 @@ class EnginePool:
 
     def _restart_engine(self, i: int) -> None:
         self.servers[i].restart(self.health_timeout_s)
+        self.restarts += 1
         if self.check_version:
             self.clients[i].check_version()
 

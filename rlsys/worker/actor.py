@@ -12,9 +12,9 @@ from rlsys.algorithms.kl import entropy_bonus, kl_loss
 from rlsys.algorithms.policy_loss import gspo_policy_loss, ppo_policy_loss
 from rlsys.algorithms.vocab_parallel import logprobs_and_entropy
 from rlsys.config import PolicyObjective
+from rlsys.faults import kill_rank_in_update, nan_update
 from rlsys.worker.batch import TrainBatch, unpad_rows
 from rlsys.worker.engine import MegatronEngine
-from rlsys.worker.faults import kill_rank_in_update, nan_update
 from rlsys.worker.microbatch import ModelInput, response_fields
 
 ACTOR_METRICS = {
@@ -42,7 +42,7 @@ class PolicyWorker:
         self.topo = engine.topo
         self.vocab_size = engine.arch.vocab_size
         self._own_old, self._seen, self._lengths = False, [], []  # see update
-        self._updates = 0  # this process's update calls (rlsys.worker.faults)
+        self._updates = 0  # this process's update calls (rlsys.faults)
 
     # -- shared pieces ------------------------------------------------------------------------
 
@@ -98,7 +98,7 @@ class PolicyWorker:
             raise ValueError("an update without old_logp must be one epoch of one mini-batch (on-policy)")
         self._seen, self._lengths = [], batch.response_lengths
         self._updates += 1
-        kill_rank_in_update(self._updates)  # test hook (rlsys.worker.faults)
+        kill_rank_in_update(self._updates)  # test hook (rlsys.faults)
         return self.engine.train(
             batch,
             schedule.mini_batches_per_step,

@@ -192,7 +192,7 @@ def save_training_state(
 
     from rlsys.config import ParallelConfig
     from rlsys.convert.mcore_checkpoint import write_meta
-    from rlsys.worker.faults import enospc_in_save, kill_in_save
+    from rlsys.faults import enospc_in_save, kill_in_save
 
     hf_dir = hf_dir or getattr(engine, "hf_dir", None)
     if hf_dir is None:
@@ -214,7 +214,7 @@ def save_training_state(
     failure = torch.zeros(1, dtype=torch.int64, device=engine.topo.device)
     if rank == 0:
         try:
-            kill_in_save(step)  # test hooks (rlsys.worker.faults): a crash or a full disk with the shards written
+            kill_in_save(step)  # test hooks (rlsys.faults): a crash or a full disk with the shards written
             enospc_in_save(step)
             t = engine.topo
             layout = ParallelConfig(tp=t.tp, pp=t.pp, ep=t.ep, etp=t.etp)

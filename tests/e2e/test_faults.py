@@ -1,4 +1,4 @@
-"""Non-finite gradients, injected through the documented hook (``rlsys.worker.faults``): the update is
+"""Non-finite gradients, injected through the documented hook (``rlsys.faults``): the update is
 skipped on every rank with the weights left exactly as they were, counted, and K such steps in a row stop
 the run with the last checkpoint intact and resumable."""
 
@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from rlsys.config import load_config
 from rlsys.controller.loop import train
 from rlsys.errors import TrainingDiverged
+from rlsys.faults import NAN_UPDATES
 from rlsys.worker.checkpoint import latest_checkpoint
-from rlsys.worker.faults import NAN_UPDATES
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny-cpu-grpo.yaml")
@@ -75,7 +75,7 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint_and_leaves_no_engine
     import sys
     import time
 
-    from rlsys.worker.faults import KILL_IN_SAVE
+    from rlsys.faults import KILL_IN_SAVE
 
     out = tmp_path / "killed"
     keys = [*ONE_RANK, f"trainer.output_dir={out}", "trainer.save_every=1", "trainer.keep_last=0"]
@@ -118,7 +118,7 @@ def test_a_full_disk_while_saving_stops_cleanly_or_trains_on(tmp_path, monkeypat
     """ENOSPC on rank 0's writes of the step-2 checkpoint (the documented hook): by default the run stops with
     one message naming the latest complete checkpoint; with ``on_save_error: continue`` it trains on."""
     from rlsys.errors import CheckpointError
-    from rlsys.worker.faults import ENOSPC_IN_SAVE
+    from rlsys.faults import ENOSPC_IN_SAVE
 
     monkeypatch.setenv(ENOSPC_IN_SAVE, "2")
     keys = ("trainer.save_every=1", "trainer.keep_last=0", "trainer.export_hf=false")
@@ -133,3 +133,20 @@ def test_a_full_disk_while_saving_stops_cleanly_or_trains_on(tmp_path, monkeypat
     assert [m["step"] for m in history] == [1, 2, 3]
     ckpts = tmp_path / "continue" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000001", "step_00000003"]
+
+
+@pytest.mark.parametrize("endpoint", ["generate", "update_weights_from_distributed"])
+def test_an_engine_that_dies_mid_call_is_restarted_resynced_and_the_step_completes(tmp_path, monkeypatch, endpoint):
+    """The CPU engine exits on its 2nd ``endpoint`` call (step 2's rollout, or the sync after step 1), request
+    in flight: the pool restarts it, the weights are sent again, the step's prompts re-issued, the run goes on."""
+    from rlsys.faults import ENGINE_DIES, ONCE
+
+    monkeypatch.setenv(ENGINE_DIES, f"{endpoint}:2")
+    monkeypatch.setenv(ONCE, str(tmp_path / "died"))
+    history = run(tmp_path, endpoint, 3, "trainer.export_hf=false")
+    assert (tmp_path / "died").exists()  # it did die
+    assert [m["step"] for m in history] == [1, 2, 3]
+    assert history[0]["rollout/engine_restarts"] == 0 and history[-1]["rollout/engine_restarts"] == 1
+    for m in history:  # the restarted engine serves the trained weights, with the right version
+        assert m["rollout/logprob_diff_max"] < 1e-3, m["rollout/logprob_diff_max"]
+        assert m["rollout/weight_version"] == m["step"]

@@ -71,8 +71,8 @@ def test_a_killed_trainer_rank_stops_the_run_promptly_and_it_resumes(tmp_path, m
     must stop at once (not after a collective timeout) with the step-2 checkpoint intact, and resume."""
     import time
 
+    from rlsys.faults import KILL_RANK
     from rlsys.worker.checkpoint import latest_checkpoint
-    from rlsys.worker.faults import KILL_RANK
 
     monkeypatch.setenv(KILL_RANK, "1:3")
     keys = ("trainer.save_every=1", "trainer.export_hf=false", "trainer.keep_last=0")

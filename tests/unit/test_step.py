@@ -31,6 +31,8 @@ PROMPTS = 2
 class FakePool:
     """Answers every prompt with the prompt's answer (sample 0) and with one wrong token (sample 1)."""
 
+    restarts = 0  # EnginePool.restarts
+
     def __init__(self, prompts: PromptSource):
         self.prompts, self.requests, self.on_restart = prompts, [], None
         self.answers: dict[tuple, list[int]] = {}

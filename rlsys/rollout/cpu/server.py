@@ -35,6 +35,7 @@ import torch.distributed as dist
 from aiohttp import web
 
 from rlsys.architectures.hf_checkpoint import HFCheckpoint
+from rlsys.faults import engine_dies
 from rlsys.rollout.cpu.generate import Gate, Generator, parse_request
 from rlsys.rollout.cpu.weights import (
     HFWeights,
@@ -431,8 +432,13 @@ def build_app(engine: CPUEngine, api_key: str | None = None, max_request_bytes: 
 
     app = web.Application(client_max_size=max_request_bytes, middlewares=[authorize])
 
+    calls: dict[str, int] = {}
+
     def handler(method, pool):
         async def handle(request: web.Request) -> web.Response:
+            name = request.path.strip("/")
+            calls[name] = calls.get(name, 0) + 1
+            engine_dies(name, calls[name])  # test hook (rlsys.faults); nothing unless its variables are set
             body = dict(request.query)
             if request.can_read_body:
                 try:

@@ -4,6 +4,9 @@
   diverging step's would be.
 * ``RLSYS_FAULT_KILL_RANK=1:2``: rank 1 of a role SIGKILLs its own process at the start of its 2nd update,
   while its peers enter the update's collectives.
+* ``RLSYS_FAULT_ENGINE_DIES=generate:2`` (or ``update_weights_from_distributed:3``...): the CPU engine
+  process exits at once on its 2nd call of that endpoint, with the request in flight; once per run, as the
+  file ``RLSYS_FAULT_ONCE`` (a path) records, so that the restarted engine lives.
 * ``RLSYS_FAULT_ENOSPC_IN_SAVE=2``: rank 0's writes of the step-2 checkpoint fail with ENOSPC (a full disk)
   after the shards, where its metadata and ``train_state.json`` go.
 * ``RLSYS_FAULT_KILL_IN_SAVE=2``: rank 0 SIGKILLs its own process while writing the step-2 checkpoint,
@@ -25,6 +28,8 @@ NAN_UPDATES = PREFIX + "NAN_UPDATES"
 KILL_IN_SAVE = PREFIX + "KILL_IN_SAVE"
 KILL_RANK = PREFIX + "KILL_RANK"
 ENOSPC_IN_SAVE = PREFIX + "ENOSPC_IN_SAVE"
+ENGINE_DIES = PREFIX + "ENGINE_DIES"
+ONCE = PREFIX + "ONCE"
 
 
 def fault_env() -> dict[str, str]:
@@ -51,3 +56,14 @@ def kill_rank_in_update(count: int) -> None:
 def enospc_in_save(step: int) -> None:
     if os.environ.get(ENOSPC_IN_SAVE, "").strip() == str(step):
         raise OSError(errno.ENOSPC, "No space left on device (injected by RLSYS_FAULT_ENOSPC_IN_SAVE)")
+
+
+def engine_dies(endpoint: str, count: int) -> None:
+    """Exit the engine process on call ``count`` of ``endpoint`` (see ``RLSYS_FAULT_ENGINE_DIES``), once."""
+    name, _, at = os.environ.get(ENGINE_DIES, "").partition(":")
+    once = os.environ.get(ONCE)
+    if name != endpoint or at.strip() != str(count) or not once or os.path.exists(once):
+        return
+    with open(once, "w") as f:
+        f.write(f"{endpoint}:{count}\n")
+    os._exit(17)
