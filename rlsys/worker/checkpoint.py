@@ -38,6 +38,7 @@ Loading at another parallel layout (TP, PP, CP, DP, EP, virtual stages; tested: 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -209,7 +210,20 @@ def save_training_state(
     dist.barrier()
 
     fmt = _optimizer_format(engine)
-    dist_checkpointing.save(_sharded_state(engine, fmt, is_loading=False, with_rng=True), tmp, _save_strategy(engine))
+    try:
+        dist_checkpointing.save(
+            _sharded_state(engine, fmt, is_loading=False, with_rng=True), tmp, _save_strategy(engine)
+        )
+    except BaseException as e:  # torch's CheckpointException (a BaseException), raised on every rank, wraps the
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):  # writers' errors: a full disk, a quota
+            raise
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(root_dir).free
+        first = str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
+        raise OSError(
+            errno.EIO, f"writing checkpoint step {step} under {root_dir} failed ({free} bytes free there): {first}"
+        ) from e
 
     failure = torch.zeros(1, dtype=torch.int64, device=engine.topo.device)
     if rank == 0:

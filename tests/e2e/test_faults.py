@@ -150,3 +150,35 @@ def test_an_engine_that_dies_mid_call_is_restarted_resynced_and_the_step_complet
     for m in history:  # the restarted engine serves the trained weights, with the right version
         assert m["rollout/logprob_diff_max"] < 1e-3, m["rollout/logprob_diff_max"]
         assert m["rollout/weight_version"] == m["step"]
+
+
+def _can_mount_tmpfs() -> bool:
+    import subprocess
+
+    probe = ["unshare", "--mount", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"]
+    try:
+        return os.geteuid() == 0 and subprocess.run(probe, capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs root and a mount namespace for a small tmpfs")
+def test_a_real_full_disk_stops_the_run_on_one_line_with_the_last_checkpoint_intact(tmp_path):
+    """The run's output directory on a 3 MiB tmpfs (its own mount namespace): the step-2 save runs out of space
+    inside megatron's writer. One line names the latest checkpoint, exit 2, the partial directory is gone."""
+    import shlex
+    import subprocess
+    import sys
+
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    keys = [*ONE_RANK, f"trainer.output_dir={fs}/run", "trainer.steps=6", "trainer.save_every=1", "trainer.keep_last=0"]
+    train_cmd = [sys.executable, "-m", "rlsys.cli", "train", CONFIG, *keys, "trainer.export_hf=false", "--no-ray"]
+    script = f"mount -t tmpfs -o size=3m tmpfs {fs} && {shlex.join(train_cmd)}; echo rc=$?; ls -a {fs}/run/checkpoints"
+    proc = subprocess.run(["unshare", "--mount", "sh", "-c", script], capture_output=True, text=True, timeout=600)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "rc=2" in proc.stdout, proc.stderr[-3000:]
+    assert "saving step 2 failed" in errors[0] and "latest complete checkpoint is" in errors[0], errors[0]
+    assert "step_00000001" in errors[0] and "bytes free" in errors[0]
+    listing = proc.stdout.split("rc=2", 1)[1].split()
+    assert "step_00000001" in listing and not any(n.startswith(".tmp_") for n in listing), listing
