@@ -351,12 +351,9 @@ class MegatronEngine:
         return float(grad_norm if grad_norm is not None else 0.0), float(lr), False
 
     def _grads_finite(self) -> bool:
-        bad = torch.zeros(1, device=self.topo.device)
-        for m in self.model:
-            for p in m.parameters():
-                grad = getattr(p, "main_grad", None)
-                if grad is not None and not bool(torch.isfinite(grad).all()):
-                    bad.fill_(1.0)
-                    break
+        # one device-side reduction and one host read, not a sync per parameter (this runs every step)
+        grads = [p.main_grad for m in self.model for p in m.parameters() if getattr(p, "main_grad", None) is not None]
+        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+        bad = (~finite).float().reshape(1).to(self.topo.device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # the role's world: every TP/PP/DP/CP/EP rank decides alike
         return bad.item() == 0
