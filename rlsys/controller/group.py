@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rlsys.errors import ConfigError
+from rlsys.errors import ConfigError, UserError
 from rlsys.faults import fault_env
 from rlsys.telemetry.noise import worker_env
 from rlsys.worker.batch import TrainBatch
@@ -68,7 +68,12 @@ class RoleGroup:
             pending = refs
             while pending:  # the first failure is raised at once: the other ranks may wait for the dead one
                 done, pending = ray.wait(pending, num_returns=1)
-                ray.get(done)
+                try:
+                    ray.get(done)
+                except ray.exceptions.RayTaskError as e:  # a known failure keeps its one-line message
+                    if isinstance(e.cause, (UserError, OSError)):
+                        raise e.cause from None
+                    raise
             return ray.get(refs)
         return [getattr(w, method)(*a) for w, a in zip(self.ranks, args)]
 

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rlsys.errors import ConfigError
-from rlsys.local_ranks import cpu_flags, free_port
+from rlsys.local_ranks import cpu_flags, free_port, node_address
 from rlsys.rollout.pool import EnginePool
 from rlsys.rollout.process import ServerProcess
 from rlsys.rollout.remote import RemoteServer
@@ -239,13 +239,36 @@ def _tail(path: str, n: int = 40) -> str:
 
 
 def cpu_engine_command(
-    model_dir: str, seed: int, host: str, port: int, api_key: str | None = None, bucket_mb: float = 512
+    model_dir: str,
+    seed: int,
+    host: str,
+    port: int,
+    api_key: str | None = None,
+    bucket_mb: float = 512,
+    peers: Sequence[str] = (),
 ) -> list:
+    """``peers``: the addresses trainer rank 0 may dial the engine from (``--weight-peers``; loopback always)."""
     # sys.executable of the process that builds the command: the engine's host on a remote node
     command = [sys.executable, "-m", "rlsys.rollout.cpu.server", "--model-path", model_dir, "--host", host]
     command += ["--port", port, "--seed", seed, "--dtype", "float32", "--max-bucket-mb", bucket_mb]
     command += ["--exit-with-parent"]  # a launcher killed by SIGKILL leaves no engine behind
+    command += ["--weight-peers", ",".join(peers)] if peers else []
     return command + (["--api-key", api_key] if api_key else [])
+
+
+def weight_peers(master_address: str | None) -> list[str]:
+    """Where trainer rank 0 can be: ``rollout.sync.master_address`` if set, else any node of the Ray cluster
+    (rank 0's node is not known where the engine's command is built), else this node."""
+    if master_address:
+        return [master_address]
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return sorted({n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")})
+    except ImportError:
+        pass
+    return [node_address()]
 
 
 def router_command(
@@ -322,7 +345,8 @@ def _engine_command(
     port = free_port(host) if port is None else port
     key = api_key if host not in LOOPBACK else None
     if cfg.engine == "cpu":
-        return cpu_engine_command(model_dir, seed + index, host, port, key, cfg.sync.bucket_mb)
+        peers = weight_peers(cfg.sync.master_address)
+        return cpu_engine_command(model_dir, seed + index, host, port, key, cfg.sync.bucket_mb, peers)
     env = dict(cfg.sglang_env)
     if device == "cpu":
         binding = core_binding(index, cfg.num_engines, cfg.tp, sorted(os.sched_getaffinity(0)))

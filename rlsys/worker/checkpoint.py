@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from rlsys.errors import CheckpointError
+from rlsys.lifetime import own_checkpoint_writer_queue
 
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
 TMP_PREFIX = ".tmp_step_"
@@ -210,6 +211,7 @@ def save_training_state(
     dist.barrier()
 
     fmt = _optimizer_format(engine)
+    own_checkpoint_writer_queue()
     try:
         dist_checkpointing.save(
             _sharded_state(engine, fmt, is_loading=False, with_rng=True), tmp, _save_strategy(engine)

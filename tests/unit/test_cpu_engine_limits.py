@@ -1,5 +1,6 @@
 """The CPU engine's control plane refuses what it must: oversized bodies, paths outside its weight roots,
-a non-loopback address without a key (the app and the argument checks, without loading a model)."""
+weight-update groups dialling outside the weight peers, a non-loopback address without a key (the app and
+the argument checks, without loading a model)."""
 
 import asyncio
 import json
@@ -14,13 +15,16 @@ from rlsys.rollout.cpu import server
 class StubEngine:
     """Answers every route with its name; update_weights_from_disk is the real method's root check."""
 
-    def __init__(self, roots):
+    def __init__(self, roots, peers=""):
         self.weight_roots = roots
+        self.weight_peers = server.parse_peers(peers)
+        self.groups = {}
 
     def __getattr__(self, name):
         return lambda body: server._json({"route": name, "keys": sorted(body)})
 
     update_weights_from_disk = server.CPUEngine.update_weights_from_disk
+    init_weights_update_group = server.CPUEngine.init_weights_update_group
 
 
 def call(make_app, path, data=b"{}", headers=None):
@@ -74,3 +78,24 @@ def test_a_public_address_needs_a_key(capsys):
     with pytest.raises(SystemExit):
         server.main(["--model-path", "/nonexistent", "--host", "0.0.0.0"])
     assert "--api-key" in capsys.readouterr().err
+
+
+def test_weight_update_groups_dial_only_weight_peers():
+    """A client holding the key still cannot make the engine connect to (and send to) a host of its choice."""
+
+    def app():
+        return server.build_app(StubEngine([], peers="10.1.2.0/24,192.0.2.7"))
+
+    for address in ("8.8.8.8", "10.1.3.1", "192.0.2.8", "no-such-host.invalid", ""):
+        body = {"master_address": address, "master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "gloo"}
+        status, text = call(app, "/init_weights_update_group", json.dumps(body))
+        assert status == 400 and "is not a weight peer" in text and "--weight-peers" in text, (address, text)
+
+
+def test_peers_are_loopback_plus_what_is_given():
+    peers = server.parse_peers("10.1.2.0/24,192.0.2.7,localhost")
+    for ok in ("127.0.0.1", "127.5.5.5", "::1", "localhost", "10.1.2.200", "192.0.2.7"):
+        assert server.peer_allowed(ok, peers), ok
+    for bad in ("192.0.2.6", "10.1.3.0", "8.8.8.8", "", "no-such-host.invalid"):
+        assert not server.peer_allowed(bad, peers), bad
+    assert not server.peer_allowed("10.1.2.3", server.parse_peers(""))

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import math
 import os
 import random
+import socket
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -36,6 +37,7 @@ from aiohttp import web
 
 from rlsys.architectures.hf_checkpoint import HFCheckpoint
 from rlsys.faults import engine_dies
+from rlsys.lifetime import exit_with_parent
 from rlsys.rollout.cpu.generate import Gate, Generator, parse_request
 from rlsys.rollout.cpu.weights import (
     HFWeights,
@@ -71,6 +73,7 @@ class CPUEngine:
         self.tokenizer_path = args.tokenizer_path or args.model_path
         roots = args.weight_roots.split(":") if args.weight_roots else []
         self.weight_roots = roots or [os.path.dirname(os.path.realpath(args.model_path))]
+        self.weight_peers = parse_peers(args.weight_peers)
         dtype = "auto" if args.dtype == "auto" else dtype_from_str(args.dtype)
         self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype).eval()
         self.tokenizer = _load_tokenizer(self.tokenizer_path)
@@ -161,9 +164,13 @@ class CPUEngine:
             return _result(False, f"the CPU engine joins weight-update groups over gloo, not {backend!r}")
         if name in self.groups:
             return _result(False, f"a weight-update group named {name!r} already exists")
+        address = str(body.get("master_address", ""))
+        if not peer_allowed(address, self.weight_peers):
+            allowed = ", ".join(str(p) for p in self.weight_peers)
+            return _result(False, f"master_address {address!r} is not a weight peer ({allowed}): see --weight-peers")
         try:
             rank = int(body["rank_offset"])  # + TP rank 0: the CPU engine is a single rank
-            init = f"tcp://{body['master_address']}:{int(body['master_port'])}"
+            init = f"tcp://{address}:{int(body['master_port'])}"
             self.groups[name] = init_custom_process_group(backend, init, int(body["world_size"]), rank, name)
         except Exception as e:
             return _result(False, f"Failed to initialize custom process group: {e}.")
@@ -471,27 +478,40 @@ def _within(path: str, root: str) -> bool:
     return os.path.commonpath([path, root]) == root
 
 
+LOOPBACK_PEERS = "127.0.0.0/8,::1"
+
+
+def parse_peers(spec: str) -> list:
+    """``--weight-peers``: addresses or networks (``10.0.0.0/8``), comma-separated; loopback always."""
+    peers = []
+    for part in filter(None, (p.strip() for p in f"{LOOPBACK_PEERS},{spec or ''}".split(","))):
+        try:
+            peers.append(ipaddress.ip_network(part, strict=False))
+        except ValueError:  # a host name: what it resolves to now
+            peers += [ipaddress.ip_network(a) for a in _resolve(part)]
+    return peers
+
+
+def _resolve(host: str) -> set[str]:
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except (socket.gaierror, UnicodeError):
+        return set()
+
+
+def peer_allowed(address: str, peers: list) -> bool:
+    """Whether every address ``address`` resolves to lies in ``peers``: a client holding the API key still
+    cannot make the engine dial (and send to) a host outside the run."""
+    resolved = _resolve(address) if address else set()
+    return bool(resolved) and all(any(ipaddress.ip_address(a.split("%")[0]) in p for p in peers) for a in resolved)
+
+
 def request_cap(model: torch.nn.Module, bucket_mb: float) -> int:
     """The largest request body accepted: an inline bucket (``update_weights_from_tensor``, base64: 4/3 of its
     bytes) of ``bucket_mb`` or of the model's largest tensor in fp32 (a bucket never splits a tensor), plus room
     for the JSON around it. Generation requests are far smaller."""
     largest = max((p.numel() * 4 for p in model.state_dict().values()), default=0)
     return int(max(bucket_mb * (1 << 20), largest) * 4 / 3) + (64 << 20)
-
-
-def _exit_with_parent(poll_s: float = 1.0) -> None:
-    """Exit when the process that launched this engine is gone, even if it died by SIGKILL (a killed driver
-    must not leave an engine holding its port and memory): a daemon thread watches for re-parenting.
-    (Not PR_SET_PDEATHSIG: it fires when the launching *thread* exits, and launchers use thread pools.)"""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        logger.warning("the launching process %d is gone: exiting", parent)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def main(argv=None) -> None:
@@ -513,13 +533,18 @@ def main(argv=None) -> None:
         help="directories update_weights_from_disk may read, separated by ':' (default: the model's parent)",
     )
     ap.add_argument(
+        "--weight-peers",
+        default="",
+        help="addresses or networks init_weights_update_group may dial, comma-separated (loopback always)",
+    )
+    ap.add_argument(
         "--max-bucket-mb", type=float, default=512, help="the largest weight bucket sent inline (sync.bucket_mb)"
     )
     args = ap.parse_args(argv)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         ap.error(f"--host {args.host} reaches beyond this machine: give --api-key (rlsys passes a fresh one per run)")
     if args.exit_with_parent:
-        _exit_with_parent()
+        exit_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.num_threads)
     torch.manual_seed(args.seed)
