@@ -5,9 +5,11 @@ trainer layout (TP=2 or PP=2 on two gloo ranks), one CPU engine process (``rlsys
 SGLang protocol on transformers) serves the model, and the two trainer ranks (a ``MegatronEngine`` filled
 with random weights) measure, interleaved per repeat so that load from other processes hits all alike:
 
-* ``ours``: ``DistributedWeightSync.sync`` with ``load_format="flattened_bucket"`` over gloo (the first
-  sync creates the group and is not timed): export gathers, bucketing, flatten, funnel (PP: whole buckets), one
-  broadcast per bucket into the engine, the engine's load, pause/flush/continue. Bytes: ``SyncStats.bytes``.
+* ``ours``: ``DistributedWeightSync.sync`` over gloo with the ``load_format`` a run picks (``--load-format
+  auto``: ``per_tensor`` into the CPU engine, which receives each tensor into its parameter, and
+  ``flattened_bucket`` into SGLang; the first sync creates the group and is not timed): export gathers,
+  bucketing, flatten (flattened only), funnel (PP: whole buckets), the broadcasts into the engine, the engine's
+  load, pause/flush/continue. Bytes: ``SyncStats.bytes``.
 * ``raw`` (a): the same bytes, in buckets of exactly the sizes the sync sent, broadcast from trainer rank 0 to
   trainer rank 1 over a fresh gloo group between the same two trainer processes (1 sender, 1 receiver, one
   host, TCP loopback, as the sync group), from a preallocated buffer, ended by a barrier so the receiver has
@@ -83,7 +85,9 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 # ---- checkpoint for the engine to start from -------------------------------------------------------
 
 
-def write_start_checkpoint(size: str, out_dir: str, max_shard_bytes: int = 2 << 30) -> int:
+def write_start_checkpoint(
+    size: str, out_dir: str, max_shard_bytes: int = 2 << 30, dtype_name: str | None = None
+) -> int:
     """The Qwen2 HF checkpoint the engine starts from (config.json, safetensors shards, index), written tensor
     by tensor from a meta-device model's names and shapes, much faster than building and saving the model.
     Constant weights: the first sync overwrites them with the trainer's random ones. Returns the parameter
@@ -93,7 +97,7 @@ def write_start_checkpoint(size: str, out_dir: str, max_shard_bytes: int = 2 << 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = MODELS[size]
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name or spec["dtype"]]
     config = AutoConfig.for_model("qwen2", **COMMON, **spec["config"])
     config.dtype = dtype
     config.architectures = ["Qwen2ForCausalLM"]  # SGLang picks its model class by this
@@ -330,7 +334,7 @@ def _trainer(hf_dir: str, layout: dict, url: str, dtype: str, args, work_dir: st
             [probe.client(client)] if rank0 else [],
             [1] if rank0 else [],
             bucket_mb=bucket_mb,
-            load_format="flattened_bucket",
+            load_format=args.load_format,
             backend="gloo",
             master_address="127.0.0.1",
             timeout_s=args.timeout,
@@ -534,6 +538,12 @@ def main() -> int:
     parser.add_argument("--sizes", default="50m,200m,1b", help=f"comma list of {', '.join(MODELS)}")
     parser.add_argument("--layouts", default="tp2,pp2", help=f"comma list of {', '.join(LAYOUTS)}")
     parser.add_argument("--bucket-mb", default="512", help="sync.bucket_mb; a comma list runs each")
+    parser.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "flattened_bucket", "per_tensor"],
+        help="sync.load_format; auto as a run picks it: per_tensor into the CPU engine, flattened_bucket into SGLang",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed syncs (and raw, wire) per row; medians")
     parser.add_argument("--naive-repeats", type=int, default=2, help="timed save + reload-from-disk per layout")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for any engine call or broadcast")
@@ -561,6 +571,8 @@ def main() -> int:
         if lay not in LAYOUTS:
             parser.error(f"unknown layout {lay!r}; choose from {', '.join(LAYOUTS)}")
     args.bucket_mb = [float(b) for b in args.bucket_mb.split(",")]
+    if args.load_format == "auto":
+        args.load_format = "per_tensor" if args.engine == "cpu" else "flattened_bucket"
     if args.repeats < 1 or args.naive_repeats < 0 or min(args.bucket_mb) <= 0:
         parser.error("--repeats must be >= 1, --naive-repeats >= 0 and --bucket-mb > 0")
 

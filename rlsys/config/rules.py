@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlsys.config.schema import ROLES, AlgorithmConfig, RoleConfig, RolloutConfig, RunConfig
+from rlsys.config.schema import ROLES, AlgorithmConfig, RoleConfig, RolloutConfig, RunConfig, releases_engine_memory
 from rlsys.errors import ConfigError
 
 
@@ -155,6 +155,21 @@ def _check_cross_section(cfg: RunConfig) -> None:
             "rollout.release_memory",
             True,
             "only for engines rlsys launches on the training devices (cluster.colocate: true, no rollout.urls)",
+        )
+    if cfg.rollout.sync.delta:
+        _need(
+            cfg.rollout.engine == "cpu",
+            "rollout.sync.delta",
+            True,
+            "applies changed elements in place, which only rlsys's CPU engine does (SGLang's loaders take whole "
+            "tensors): set rollout.engine: cpu or rollout.sync.delta: false",
+        )
+        _need(
+            not releases_engine_memory(cfg),
+            "rollout.sync.delta",
+            True,
+            "engines that release their weights (rollout.release_memory) get them back whole on every sync: "
+            "set rollout.release_memory: false or rollout.sync.delta: false",
         )
     if a.name in GROUP_ALGORITHMS:
         n = cfg.rollout.sampling.n

@@ -109,13 +109,17 @@ class SyncConfig:
     """How new actor weights reach the rollout engines after each update (rlsys.sync)."""
 
     bucket_mb: float = 512  # tensors per broadcast (and per engine receive buffer), in MiB
-    load_format: Literal["flattened_bucket", "per_tensor"] = "flattened_bucket"  # one uint8 broadcast per bucket
+    # flattened_bucket: one uint8 broadcast per bucket; per_tensor: one per tensor (rlsys's CPU engine receives
+    # those straight into its parameters); auto: per_tensor into the CPU engine, flattened_bucket into SGLang
+    load_format: Literal["auto", "flattened_bucket", "per_tensor"] = "auto"
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on cuda, gloo on cpu
     # auto: update_weights_from_tensor into engines colocated on the first node, a broadcast group for the rest
     transport: Literal["auto", "broadcast", "tensor"] = "auto"
     master_address: str | None = None  # address engines reach trainer rank 0 at; None = this host's
     timeout_s: float = 300.0  # bound on every HTTP call and collective of a sync
     verify: bool = False  # after each sync compare per-tensor checksums of every engine with the trainer's
+    # after a full sync, send only the elements that changed (rlsys.sync.delta; rlsys's CPU engine only)
+    delta: bool = False
 
 
 @dataclass

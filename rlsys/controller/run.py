@@ -13,6 +13,7 @@ train            ``Replay`` (saved batches)   actor, ref, ...   ``NoSync``      
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -27,7 +28,7 @@ from rlsys.controller.replay import Replay, rollout_dir
 from rlsys.controller.setup import prepare_model_dir, role_spec, start_ray
 from rlsys.controller.weights import EngineSync, NoSync
 from rlsys.data.prompts import PromptSource
-from rlsys.plan import enabled_roles, sync_transports
+from rlsys.plan import enabled_roles, sync_load_format, sync_transports
 from rlsys.rollout.batch import EngineRollout
 from rlsys.rollout.launch import start_engines
 from rlsys.rollout.pool import EnginePool
@@ -145,7 +146,7 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
         actor.setup_sync(
             engines.urls,
             [cfg.rollout.tp] * len(engines.urls),
-            cfg.rollout.sync,
+            dataclasses.replace(cfg.rollout.sync, load_format=sync_load_format(cfg)),
             cfg.cluster.device,
             cfg.rollout.weight_dtype,
             engines.api_key,

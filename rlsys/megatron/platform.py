@@ -1,8 +1,9 @@
 """What this process's hardware and installed libraries ask of megatron, prepared once per process.
 
 A leaf module (it imports nothing of rlsys's model code), called when a rank joins its process group
-(``topology.init_distributed``): on CPU it switches on ``cpu_compat``'s redirects; on any device
-without transformer-engine it repairs megatron's references to TE names that do not exist then.
+(``topology.init_distributed``): on CPU it switches on ``cpu_compat``'s redirects and keeps freed memory
+for reuse (``rlsys.host_memory``); on any device without transformer-engine it repairs megatron's
+references to TE names that do not exist then.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ _prepared: set[str] = set()
 def prepare(device: str) -> None:
     """Make megatron runnable on ``device`` ("cpu" or "cuda") in this process (idempotent)."""
     if device == "cpu":
+        from rlsys.host_memory import keep_freed_memory
         from rlsys.megatron import cpu_compat
 
         cpu_compat.enable()
+        keep_freed_memory()
     elif not torch.cuda.is_available():
         raise UserError("cluster.device is 'cuda' but no CUDA device is visible; set cluster.device=cpu")
     apply_te_absent_fixes()

@@ -23,6 +23,7 @@ from rlsys.plan.devices import (
     role_world_sizes,
     rollout_devices,
     sequence_length,
+    sync_load_format,
     sync_transports,
     total_devices,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "role_world_sizes",
     "rollout_devices",
     "sequence_length",
+    "sync_load_format",
     "sync_transports",
     "total_devices",
     "validate_layout",

@@ -92,3 +92,14 @@ def sync_transports(cfg: RunConfig) -> list[str]:
     if not cfg.cluster.colocate or cfg.cluster.device == "cpu":
         return ["broadcast"] * r.num_engines
     return ["tensor" if local else "broadcast" for local in first_node]
+
+
+def sync_load_format(cfg: RunConfig) -> str:
+    """``rollout.sync.load_format`` resolved. ``auto``: ``per_tensor`` into rlsys's CPU engine, which receives
+    each tensor straight into its parameter (no receive buffer, no copy after; 200M fp32 at TP2 on 2 cores:
+    1.37 GB/s against 1.17 flattened, and 0.5 GiB less on rank 0), ``flattened_bucket`` into SGLang (one
+    broadcast per bucket, SGLang's fastest)."""
+    fmt = cfg.rollout.sync.load_format
+    if fmt != "auto":
+        return fmt
+    return "per_tensor" if cfg.rollout.engine == "cpu" else "flattened_bucket"

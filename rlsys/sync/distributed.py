@@ -41,6 +41,14 @@ its original exception). An engine error before the first bucket (pause, flush, 
 SGLang release) is agreed on before any gather starts. After a failure mid-sync the engines are left paused
 (their weights are partly new) and the broadcast group is rebuilt under a new name on the next sync.
 
+With ``delta`` (``rollout.sync.delta``) each writer sends, after a full sync, only what changed since its
+last send (``rlsys.sync.delta``: indices or a bitmap plus values per tensor, or the whole tensor, whichever
+is smallest; nothing for an unchanged one), and the engines apply it in place. Rank 0 decides per sync and
+tells every rank: a sync is whole after a (re)connect (a restarted engine holds its checkpoint's weights)
+and after any failure (the engines' copies are partly new). Each writer keeps its last sent tensors (one
+copy of its share, on its device); with ``verify`` rank 0 also mirrors what the other writers sent, so that
+it can hash every tensor as the engines now hold it.
+
 With ``verify`` rank 0 also hashes every tensor it buckets or receives and, after the sessions closed
 and before continuing generation, compares every engine with those hashes (``rlsys.sync.verify``);
 a mismatch raises ``WeightSyncMismatch`` and leaves the engines paused. With ``weight_dtype="fp8"`` linear
@@ -77,6 +85,8 @@ from rlsys.megatron.export import is_dense_writer, is_expert_writer, iter_hf_ten
 from rlsys.rollout.protocol import needs_weight_update_session
 from rlsys.sync.buckets import Bucket, Bucketer, Handoff, WriterFailed, recv_bucket, send_bucket, send_end
 from rlsys.sync.colocated import serialize_flattened_bucket
+from rlsys.sync.delta import DeltaEncoder, apply_delta
+from rlsys.sync.delta import split as split_delta
 from rlsys.sync.process_group import destroy_custom_process_group, init_custom_process_group
 from rlsys.sync.verify import TrainerChecksums, probe_engines, verify_engines
 from rlsys.sync.wire import dtype_name
@@ -101,6 +111,7 @@ class SyncStats:
     tensors: int = 0
     buckets: int = 0
     peak_buckets: int = 0  # the most buckets alive at once on this rank (see the module docstring)
+    full: bool = True  # every tensor sent whole (always, without delta sync)
 
     @property
     def gb_per_s(self) -> float:
@@ -129,6 +140,7 @@ class DistributedWeightSync:
         verify: bool = False,
         weight_dtype: str = "auto",
         transports: list[str] | None = None,
+        delta: bool = False,
     ):
         if weight_dtype not in ("auto", "fp8"):
             raise ValueError(f"rollout.weight_dtype must be 'auto' or 'fp8', got {weight_dtype!r}")
@@ -170,6 +182,13 @@ class DistributedWeightSync:
         self._failure: BaseException | None = None  # rank 0: the first engine-side error of this sync
         self._groups_made = 0  # a rebuilt broadcast group gets a fresh name (the old one may hold a stale send)
         self._sessions: list = []  # engines whose weight-update session is open
+        # delta sync: each writer's last sent values; rank 0 also mirrors what the other writers sent, for
+        # verification (it never sees their unsent tensors otherwise)
+        self.delta = DeltaEncoder() if delta else None
+        self._mirror: dict[str, torch.Tensor] = {}
+        self._seen: set[str] = set()  # the mirrored names sent in this sync
+        self._need_full = True  # rank 0: the engines' copies are unknown (first sync, reconnect, failure)
+        self.last_full = True
 
     # -- group lifecycle (rank 0 talks to the engines) ----------------------------------------------
 
@@ -211,6 +230,7 @@ class DistributedWeightSync:
         _first_error([*futures, joined], self.timeout_s)
         self.group, self.active_group_name = joined.result(), name
         self.connected = True  # only now: a failed connect is tried again by the next sync
+        self._need_full = True  # a (re)started engine holds its checkpoint's weights, not the last sync's
 
     def disconnect(self, broken: bool = False) -> None:
         """Leave the broadcast group. ``broken``: a send into it may still be pending (a failed bucket), so it
@@ -236,6 +256,7 @@ class DistributedWeightSync:
         stats = SyncStats()
         rank = dist.get_rank()
         error = None
+        self._start_delta()
         if self.is_sender:
             self._failure = None
             try:
@@ -265,9 +286,23 @@ class DistributedWeightSync:
                     self._finish_engines()
                 except Exception as e:
                     error = e
+            self._need_full = error is not None or self._failure is not None
         self._agree(error)
         stats.seconds = time.perf_counter() - start
+        stats.full = self.last_full
         return stats
+
+    def _start_delta(self) -> None:
+        """Every rank learns from rank 0 whether this sync is whole (bases reset) or sends deltas."""
+        if self.delta is None:
+            return
+        decision = [self._need_full or not self.connected]
+        dist.broadcast_object_list(decision, src=0, group=self.control)
+        self.last_full = bool(decision[0])
+        self._seen = set()
+        if self.last_full:
+            self.delta.reset()
+            self._mirror.clear()
 
     def _send_all(self, chunks, stats: SyncStats) -> None:
         outbox = Handoff(lambda bucket, slot: self._broadcast(bucket, slot, stats), timeout_s=self.timeout_s)
@@ -276,6 +311,9 @@ class DistributedWeightSync:
             for src in self.writers[1:]:
                 while (bucket := self._receive(src, outbox)) is not None:
                     outbox.put(bucket)  # after a failure _broadcast skips it: the writer must still finish
+        if self._checks is not None:  # delta sync: what the other writers left unsent is verified too
+            for name in self._mirror.keys() - self._seen:
+                self._checks.add(name, self._mirror[name])
         stats.peak_buckets = outbox.peak
 
     def _write(self, chunks, stats: SyncStats) -> None:
@@ -365,10 +403,14 @@ class DistributedWeightSync:
         for n, t in named:
             if self._checks is not None:  # what is sent, after quantization, is what the engine must hold
                 self._checks.add(n, t)
-            if bucketer.closes(t):
-                self._hand_over(bucketer.flush(), outbox)  # returns once the bucket before it is sent
-            bucketer.add(n, t)
-            outbox.begin()
+            for sent, value in [(n, t)] if self.delta is None else self.delta.encode(n, t):
+                self._add_one(bucketer, outbox, sent, value)
+
+    def _add_one(self, bucketer: Bucketer, outbox: Handoff, n: str, t: torch.Tensor) -> None:
+        if bucketer.closes(t):
+            self._hand_over(bucketer.flush(), outbox)  # returns once the bucket before it is sent
+        bucketer.add(n, t)
+        outbox.begin()
 
     def _hand_over(self, bucket: Bucket, outbox: Handoff) -> None:
         if self.is_sender and self.load_format == "flattened_bucket" and self.broadcast_engines:
@@ -398,8 +440,21 @@ class DistributedWeightSync:
             bucket = Bucket.from_flat(bucket.names, flat, bucket.dtypes, bucket.shapes)
         if self._checks is not None:
             for n, t in zip(bucket.names, bucket.tensors):
-                self._checks.add(n, t)
+                self._checks.add(*self._mirrored(n, t))
         return bucket
+
+    def _mirrored(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """A funneled tensor as the engines now hold it: ``tensor`` itself, or (delta sync) rank 0's mirror of
+        it with the encoded delta applied."""
+        if self.delta is None:
+            return name, tensor
+        parts = split_delta(name)
+        self._seen.add(name if parts is None else parts[0])
+        if parts is None:
+            self._mirror[name] = tensor.clone()
+            return name, tensor
+        apply_delta(self._mirror[parts[0]], name, tensor)
+        return parts[0], self._mirror[parts[0]]
 
     def _buffer(self, key, nbytes: int, device) -> torch.Tensor:
         """A uint8 buffer of ``nbytes`` that only the holder of ``key`` (a ``Handoff`` slot) writes."""

@@ -120,6 +120,7 @@ class RankWorker:
             verify=sync_cfg.verify,
             weight_dtype=weight_dtype,
             transports=transports if rank0 else [],
+            delta=sync_cfg.delta,
         )
 
     def sync_weights(self, version: int | None = None) -> dict:
@@ -127,6 +128,8 @@ class RankWorker:
             self.sync.version = version - 1  # sync() increments: engines see exactly ``version``
         stats = self.sync.sync(self.worker.engine.chunks)
         metrics = {"sync/seconds": stats.seconds, "sync/bytes": stats.bytes, "sync/buckets": stats.buckets}
+        if self.sync.delta is not None:
+            metrics["sync/full"] = float(stats.full)
         if self.sync.last_verification:  # what sync.verify compared, so a pass says what it means
             metrics["sync/verified_tensors"] = sum(r.checked for r in self.sync.last_verification)
             metrics["sync/unverifiable_tensors"] = self.sync.last_unverifiable

@@ -56,6 +56,7 @@ def _trainer(hf_dir, layout, urls, engine_tp, opts, out_dir):
         master_address="127.0.0.1",
         timeout_s=opts.get("timeout_s", 60),
         verify=opts.get("verify", False),
+        delta=opts.get("delta", False),
     )
     result = {}
     try:
@@ -67,6 +68,7 @@ def _trainer(hf_dir, layout, urls, engine_tp, opts, out_dir):
             seconds=stats.seconds,
             peak_buckets=stats.peak_buckets,
         )
+        result["rounds"] = [_perturbed_sync(worker, sync, r) for r in range(opts.get("rounds", 0))]
     except Exception as e:  # the test inspects how a failed sync reports
         result["error"] = f"{type(e).__name__}: {e}"
     failed = ["error" in result]
@@ -84,10 +86,29 @@ def _trainer(hf_dir, layout, urls, engine_tp, opts, out_dir):
         if ours is not None and topo.tp_rank == 0:
             diffs = [(a - torch.tensor(lp)).abs().max().item() for a, (_, _, lp) in zip(ours["logp"], sample[0])]
             result["logprob_diff_max"] = max(diffs)
+    if opts.get("rounds") and "error" not in result:  # what the engines must now hold, by checkpoint name
+        from rlsys.megatron.export import iter_hf_tensors
+
+        result["checksums"] = {n: tensor_checksum(t) for n, t in iter_hf_tensors(worker.engine.chunks, sync.arch, topo)}
     if rank0 or dist.get_rank() in sync.writers or "logprob_diff_max" in result:
         with open(os.path.join(out_dir, f"{dist.get_rank()}.json"), "w") as f:
             json.dump(result, f)
     sync.disconnect()
+
+
+@torch.no_grad()
+def _perturbed_sync(worker, sync, round_: int) -> dict:
+    """Change a sparse, round-dependent set of elements of every parameter (most in place by a tiny step,
+    as an RL update does; some to -0.0 or a NaN payload, which only a bitwise comparison notices), then sync."""
+    g = torch.Generator().manual_seed(round_)
+    for p in (p for chunk in worker.engine.chunks for p in chunk.parameters()):
+        flat = p.data.view(-1)
+        picked = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // (50 * (round_ + 1)))]
+        flat[picked] += 1e-3
+        if round_ == 1:
+            flat[picked[:1]] = -0.0
+    stats = sync.sync(worker.engine.chunks)
+    return dict(bytes=stats.bytes, full=stats.full)
 
 
 class _KillOnBucket:
@@ -267,3 +288,28 @@ def test_funnel_moves_whole_buckets_reports_a_failed_writer_and_times_out(tmp_pa
     assert "rank 1 failed" in result["failed"]
     message, waited = result["timeout"]
     assert "rank 1 sent no weights for 0.5s" in message and waited < 10
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("load_format", ["flattened_bucket", "per_tensor"])
+def test_delta_syncs_keep_every_engine_tensor_bit_equal_to_the_trainers(
+    engines, tiny_checkpoints, tmp_path, layout, load_format
+):
+    """One full sync, then three rounds of sparse changes sent as deltas (PP: the second writer's deltas
+    pass through rank 0, which mirrors them for sync.verify): afterwards every engine tensor equals the
+    trainer's bit for bit, and each delta sync sent a small fraction of the full sync's bytes."""
+    hf = tiny_checkpoints["qwen3"]
+    urls = [url for _, url in engines("qwen3")]
+    opts = dict(delta=True, rounds=3, verify=True, load_format=load_format, bucket_mb=0.05)
+    reports = run_sync(hf, layout, 2, urls, tmp_path, **opts)
+    sender = reports[0]
+    assert "error" not in sender, sender
+    assert [r["full"] for r in sender["rounds"]] == [False, False, False]
+    for r in sender["rounds"]:
+        assert 0 < r["bytes"] < sender["bytes"] / 5, (r, sender["bytes"])
+    want = {}
+    for r in reports:
+        want.update(r.get("checksums", {}))
+    for url in urls:
+        got = engine_checksums(url)
+        assert got == {k: want[k] for k in got} and set(got) <= set(want) and len(got) > 10

@@ -37,6 +37,7 @@ from aiohttp import web
 
 from rlsys.architectures.hf_checkpoint import HFCheckpoint
 from rlsys.faults import engine_dies
+from rlsys.host_memory import keep_freed_memory
 from rlsys.lifetime import exit_with_parent
 from rlsys.rollout.cpu.generate import Gate, Generator, parse_request
 from rlsys.rollout.cpu.weights import (
@@ -88,6 +89,7 @@ class CPUEngine:
         self.released: dict | None = None  # param name -> (backup tensor or None, shape, dtype)
         self.snapshot: dict | None = None
         self.session: str | None = None  # the open weight-update session's selector (SGLang 0.5.21+)
+        self.flat = torch.empty(0, dtype=torch.uint8)  # flattened buckets land here (see _grown)
 
     def _next_seed(self) -> int:
         with self.seed_lock:
@@ -217,11 +219,40 @@ class CPUEngine:
         if body.get("abort_all_requests"):
             self._abort_all()
         with self.gate.exclusive():
+            if body.get("load_format") != "flattened_bucket":
+                return self._receive_in_place(pg, names, dtypes, shapes, body)
             try:
-                tensors = _receive(pg, dtypes, shapes, body.get("load_format") == "flattened_bucket")
+                self.flat = _grown(self.flat, sum(math.prod(s) * d.itemsize for d, s in zip(dtypes, shapes)))
+                tensors = _receive_flat(pg, self.flat, dtypes, shapes)
             except Exception as e:
                 return _result(False, f"receiving the broadcast failed: {e}")
             return self._load(list(zip(names, tensors)), body, "Succeeded to update parameter online.")
+
+    def _receive_in_place(self, pg, names: list, dtypes: list, shapes: list, body: dict) -> web.Response:
+        """Per-tensor broadcasts straight into the model's parameters where names, shapes and dtypes allow:
+        no receive buffer and no copy after (a bucket that fails half-way leaves its tensors half-new, as a
+        failed sync leaves the model anyway; the pool re-sends everything after a failure)."""
+        refused, copies, skipped = None, [], []
+        try:
+            into, copies, skipped = self.weights.receive_plan(list(zip(names, dtypes, shapes)))
+        except WeightUpdateError as e:
+            refused = f"Failed to update weights: {e}"
+        if self.released is not None:
+            refused = "the weights are released: resume 'weights' before updating them"
+        if refused is not None:  # still join the broadcast, so that the group stays usable
+            into, copies = [torch.empty(s, dtype=d) for d, s in zip(dtypes, shapes)], []
+        try:
+            for work in [dist.broadcast(t, src=0, group=pg, async_op=True) for t in into]:
+                work.wait()
+        except Exception as e:
+            return _result(False, f"receiving the broadcast failed: {e}")
+        if refused is not None:
+            return _result(False, refused)
+        self.weights.write(copies)
+        message = "Succeeded to update parameter online."
+        if skipped:
+            message += f" Skipped {len(skipped)} tensor(s) the model does not hold: {', '.join(skipped[:5])}."
+        return _result(True, self._set_version(body, message))
 
     def update_weights_from_tensor(self, body: dict) -> web.Response:
         if (refused := self._outside_session("update_weights_from_tensor")) is not None:
@@ -281,7 +312,7 @@ class CPUEngine:
             return _result(False, "release_memory_occupation needs an idle server")
         if "weights" in tags and self.released is None:
             with self.gate.exclusive():  # parameters become empty; buffers (rotary tables...) stay
-                self.released = {}
+                self.released, self.flat = {}, torch.empty(0, dtype=torch.uint8)
                 for name, p in self.model.named_parameters():
                     self.released[name] = (p.data if self.cpu_backup else None, p.shape, p.dtype)
                     p.data = torch.empty(0, dtype=p.dtype)
@@ -367,16 +398,17 @@ def _digest(parts) -> str:
     return h.hexdigest()
 
 
-def _receive(pg, dtypes: list, shapes: list, flattened: bool) -> list[torch.Tensor]:
-    """Receive a bucket from group rank 0: one broadcast per tensor in list order, or one uint8 broadcast
-    of the tensors' bytes concatenated (``flattened_bucket``)."""
-    if not flattened:
-        tensors = [torch.empty(s, dtype=d) for d, s in zip(dtypes, shapes)]
-        for work in [dist.broadcast(t, src=0, group=pg, async_op=True) for t in tensors]:
-            work.wait()
-        return tensors
+def _grown(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The engine's receive buffer, grown to ``nbytes`` if needed: kept between buckets and syncs, since a
+    fresh one costs a page fault per 4 KiB of every bucket (as much as the copy into the model)."""
+    return buffer if buffer.numel() >= nbytes else torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _receive_flat(pg, buffer: torch.Tensor, dtypes: list, shapes: list) -> list[torch.Tensor]:
+    """Receive a ``flattened_bucket`` from group rank 0 (one uint8 broadcast of the tensors' bytes
+    concatenated) into the front of ``buffer``; the tensors are views into it, valid until the next bucket."""
     sizes = [math.prod(s) * d.itemsize for d, s in zip(dtypes, shapes)]
-    flat = torch.empty(sum(sizes), dtype=torch.uint8)
+    flat = buffer[: sum(sizes)]
     dist.broadcast(flat, src=0, group=pg)
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     return [view_bytes(flat[o : o + n], d, s) for o, n, d, s in zip(offsets, sizes, dtypes, shapes)]
@@ -548,6 +580,7 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.num_threads)
     torch.manual_seed(args.seed)
+    keep_freed_memory()
     engine = CPUEngine(args)
     web.run_app(
         build_app(engine, args.api_key, request_cap(engine.model, args.max_bucket_mb)),

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from rlsys.sync.delta import apply_delta
+from rlsys.sync.delta import check as check_delta
+from rlsys.sync.delta import split as split_delta
 from rlsys.sync.wire import dtype_from_str, tensor_checksum
 
 # Per-expert checkpoint names and the fused in-memory tensors they live in.
@@ -138,24 +141,78 @@ class HFWeights:
         state = self._state()
         plan, unknown, bad, skipped = [], [], [], []
         for name, tensor in named_tensors:
-            if (self.tied and name == "lm_head.weight") or any(s in name for s in SKIPPED_NAMES):
+            dst, problem = self._target(name, tensor.shape, tensor.dtype, state)
+            if problem == "skip":
                 skipped.append(name)  # SGLang skips a tied lm_head and derived rotary buffers
-                continue
-            slot = self.resolve(name, state)
-            if slot is None:
+            elif problem == "unknown":
                 unknown.append(name)
-                continue
-            dst = self.view(slot, state)
-            if tuple(tensor.shape) != tuple(dst.shape):
-                bad.append(self._shape_error(name, tuple(tensor.shape), tuple(dst.shape)))
-                continue
-            plan.append((dst, tensor))
+            elif problem:
+                bad.append(problem)
+            else:
+                plan.append((dst, tensor, name))
         if unknown or bad:
             raise WeightUpdateError(_describe_failures(unknown, bad))
-        with torch.no_grad():
-            for dst, src in plan:
-                dst.copy_(src)
+        self.write(plan)
         return skipped
+
+    def _target(self, name: str, shape, dtype, state) -> tuple[torch.Tensor | None, str | None]:
+        """``(the model's tensor for name, None)``, or ``(None, "skip" | "unknown" | what is wrong)``.
+        A delta sync's encoded delta (``rlsys.sync.delta``) targets the tensor it names."""
+        delta = split_delta(name)
+        target = name if delta is None else delta[0]
+        if (self.tied and target == "lm_head.weight") or any(s in target for s in SKIPPED_NAMES):
+            return None, "skip"
+        slot = self.resolve(target, state)
+        if slot is None:
+            return None, "unknown"
+        dst = self.view(slot, state)
+        if delta is not None:
+            try:
+                check_delta(name, dst.numel(), shape, dtype)
+            except ValueError as e:
+                return None, str(e)
+        elif tuple(shape) != tuple(dst.shape):
+            return None, self._shape_error(name, tuple(shape), tuple(dst.shape))
+        return dst, None
+
+    @staticmethod
+    @torch.no_grad()
+    def write(plan: list[tuple[torch.Tensor, torch.Tensor, str]]) -> None:
+        """Copy (cast) each ``(dst, src, name)``, or apply it when ``name`` is an encoded delta."""
+        for dst, src, name in plan:
+            if split_delta(name) is None:
+                dst.copy_(src)
+            else:
+                apply_delta(dst, name, src)
+
+    def receive_plan(self, specs: list[tuple[str, torch.dtype, list]]) -> tuple[list, list, list[str]]:
+        """Where a per-tensor broadcast of ``specs`` (name, dtype, shape) can land: ``(into, copies, skipped)``.
+
+        ``into[i]`` receives tensor ``i``: the model's own storage when the name resolves to a contiguous view
+        of the same dtype (no copy after the broadcast), else a fresh tensor that ``write(copies)`` casts (or,
+        for an encoded delta, applies) into the model afterwards. Unknown names and wrong shapes raise
+        ``WeightUpdateError`` naming them all, before anything is received (the caller still joins the
+        broadcast, into scratch tensors).
+        """
+        state = self._state()
+        into, copies, skipped, unknown, bad = [], [], [], [], []
+        for name, dtype, shape in specs:
+            dst, problem = self._target(name, shape, dtype, state)
+            if problem == "unknown":
+                unknown.append(name)
+            elif problem and problem != "skip":
+                bad.append(problem)
+            elif dst is not None and dst.dtype == dtype and dst.is_contiguous() and split_delta(name) is None:
+                into.append(dst)
+            else:
+                into.append(torch.empty(shape, dtype=dtype))
+                if dst is None:
+                    skipped.append(name)
+                else:
+                    copies.append((dst, into[-1], name))
+        if unknown or bad:
+            raise WeightUpdateError(_describe_failures(unknown, bad))
+        return into, copies, skipped
 
     def _shape_error(self, name: str, got: tuple, want: tuple) -> str:
         if want[0] == self.vocab_size and len(got) == len(want) and got[1:] == want[1:]:
