@@ -48,10 +48,11 @@ def _batch(vocab: int, seed: int):
 
 def _trainer(hf_dir: str, url: str, dtype: str, lr: float, steps: int, out_path: str) -> None:
     import requests
+    import torch
     import torch.distributed as dist
 
     from rlsys.architectures.hf_config import read_arch
-    from rlsys.config import AlgorithmConfig, OptimizerConfig, ParallelConfig, PolicyObjective, RoleConfig
+    from rlsys.config import AlgorithmConfig, KLConfig, OptimizerConfig, ParallelConfig, PolicyObjective, RoleConfig
     from rlsys.megatron.export import iter_hf_tensors
     from rlsys.megatron.topology import build_topology, destroy_topology
     from rlsys.rollout.client import EngineClient
@@ -66,7 +67,8 @@ def _trainer(hf_dir: str, url: str, dtype: str, lr: float, steps: int, out_path:
     engine = MegatronEngine(
         arch, topo, role, dtype=dtype, trainable=True, total_steps=steps, load=lambda c: _random_fill(c, 7)
     )
-    worker = PolicyWorker(engine, PolicyObjective.of(AlgorithmConfig(name="grpo")))
+    algo = AlgorithmConfig(name="grpo", kl=KLConfig(coef=0.0, use_loss=False))  # no reference model
+    worker = PolicyWorker(engine, PolicyObjective.of(algo))
     client = EngineClient(url, timeout_s=600)
 
     def make(delta: bool):
@@ -91,8 +93,10 @@ def _trainer(hf_dir: str, url: str, dtype: str, lr: float, steps: int, out_path:
         print(f"  step {step + 1}: delta {d.bytes / 1e6:.2f} MB {d.seconds:.2f}s, full {f.bytes / 1e6:.0f} MB "
               f"{f.seconds:.2f}s", flush=True)  # fmt: skip
     d = delta.sync(engine.chunks)  # a last delta with nothing changed since the full sync: nothing to send
-    trainer = {n: tensor_checksum(t) for n, t in iter_hf_tensors(engine.chunks, arch, topo)}
-    got = requests.post(url + "/weights_checksum", json={}, timeout=600).json()["checksums"]
+    reply = requests.post(url + "/weights_checksum", json={}, timeout=600).json()
+    got, stored = reply["checksums"], reply["dtypes"]  # the engine keeps norms in fp32: compare in its dtype
+    trainer = {n: tensor_checksum(t.to(getattr(torch, stored.get(n, "float32")))) for n, t in iter_hf_tensors(
+        engine.chunks, arch, topo)}  # fmt: skip
     wrong = [n for n in got if got[n] != trainer.get(n)]
     delta.disconnect()
     full.disconnect()

@@ -171,6 +171,15 @@ def _check_cross_section(cfg: RunConfig) -> None:
             "engines that release their weights (rollout.release_memory) get them back whole on every sync: "
             "set rollout.release_memory: false or rollout.sync.delta: false",
         )
+    if cfg.trainer.async_mode != "sync":
+        offloaded = [role for role in ROLES if getattr(cfg, role).offload]
+        _need(
+            not releases_engine_memory(cfg) and not offloaded,
+            "trainer.async_mode",
+            cfg.trainer.async_mode,
+            "overlaps rollout with training, so engines and roles cannot take turns on the devices: set "
+            "rollout.release_memory: false and every <role>.offload: false (or cluster.colocate: false)",
+        )
     if a.name in GROUP_ALGORITHMS:
         n = cfg.rollout.sampling.n
         _need(n >= 2, "rollout.sampling.n", n, f"'{a.name}' compares samples of one prompt: needs n >= 2")

@@ -352,6 +352,9 @@ class TrainerConfig:
     max_bad_steps: int = 3
     eval_before_train: bool = False  # also evaluate before step 1 (logged as step 0), as verl's val_before_train
     export_hf: bool = True  # convert the final actor checkpoint to HF format (output_dir/hf_export)
+    # sync: generate, then train; one_step_off: step n+1's batch is generated while step n trains (one
+    # version stale; rlsys.controller.ahead)
+    async_mode: Literal["sync", "one_step_off"] = "sync"
 
 
 @dataclass

@@ -18,8 +18,10 @@ logger = logging.getLogger(__name__)
 class Checkpoints:
     """``checkpoints/`` holds the actor's, ``critic_checkpoints/`` the critic's, under the same step names."""
 
-    def __init__(self, cfg: TrainerConfig, actor, critic, turns):
+    def __init__(self, cfg: TrainerConfig, actor, critic, turns, before_save=None):
+        """``before_save(step)``: what else a checkpoint keeps, written first (the batch generated ahead)."""
         self.cfg, self.actor, self.critic, self.turns = cfg, actor, critic, turns
+        self.before_save = before_save
         self.actor_dir = os.path.join(cfg.output_dir, "checkpoints")
         self.critic_dir = os.path.join(cfg.output_dir, "critic_checkpoints")
 
@@ -38,6 +40,8 @@ class Checkpoints:
         if not ((every and step % every == 0) or step == last_step):
             return
         try:
+            if self.before_save is not None:
+                self.before_save(step)
             with self.turns.on_device(self.actor, self.critic):
                 if self.critic is not None:  # first, so an actor checkpoint always has its critic
                     self.critic.save(self.critic_dir, step, extra, self.cfg.keep_last)

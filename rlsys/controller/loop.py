@@ -129,6 +129,8 @@ def learn(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
                 old_logp = batch.padded("old_logp")
 
         # 7. weight sync: the engines serve the new policy for the next step
+        with t("rollout_wait"):
+            run.source.settle()  # one_step_off: the batch generated meanwhile ends on the weights it began with
         with t("sync"):
             metrics.update(run.weights.after_update(n))
     turns.engine_cache_back()

@@ -36,7 +36,8 @@ def step_metrics(step: int, rolled: RolloutBatch, t: Timer, learned: dict) -> di
         "reward/solved": solved_share(scores),
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
-        "rollout/weight_version": version_number({s.weight_version for s in samples}),
+        "rollout/weight_version": (version := version_number({s.weight_version for s in samples})),
+        "rollout/staleness": step - version,  # updates the trainer is ahead of the samples' policy
         **rolled.metrics,
         **t,
         "throughput/tokens_per_s": tokens / max(t["time/step_s"], 1e-9),

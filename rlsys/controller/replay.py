@@ -77,5 +77,8 @@ class Replay:
     def evaluate(self) -> dict:
         return {}  # no engines to generate with
 
+    def settle(self) -> None:
+        pass
+
     def close(self) -> None:
         pass

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from rlsys.algorithms import AdaptiveKLController, FixedKLController
 from rlsys.config import RunConfig, config_to_dict, releases_engine_memory
+from rlsys.controller.ahead import AheadRollout, pending_dir
 from rlsys.controller.checkpoints import Checkpoints, NoCheckpoints
 from rlsys.controller.colocation import Turns
 from rlsys.controller.group import RoleGroup
@@ -44,7 +45,7 @@ MODES = ("full", "rollout", "train")
 class Run:
     cfg: RunConfig
     prompts: PromptSource
-    source: EngineRollout | Replay
+    source: EngineRollout | AheadRollout | Replay
     roles: dict[str, RoleGroup]  # enabled roles by name; none in rollout mode
     turns: Turns
     weights: EngineSync | NoSync
@@ -126,6 +127,9 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
         )
         closers.append((engines.close, engines.close))
         source = EngineRollout(engines, prompts, rewards, cfg.rollout.sampling, cfg.algorithm.filters, cfg.trainer.seed)
+        if cfg.trainer.async_mode == "one_step_off" and mode == "full":
+            source = AheadRollout(source, cfg.trainer.steps, pending_dir(out_dir))
+            closers.append((source.close, source.close))
     else:
         source = replay
 
@@ -134,13 +138,16 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
     syncing = actor is not None and engines is not None
     offloaded = {role for role in roles if getattr(cfg, role).offload}
     turns = Turns(roles, offloaded, engines, releases_engine_memory(cfg) and syncing)
-    checkpoints = Checkpoints(cfg.trainer, actor, critic, turns) if actor is not None else NoCheckpoints()
+    keep = source.keep_pending if isinstance(source, AheadRollout) else None
+    checkpoints = Checkpoints(cfg.trainer, actor, critic, turns, keep) if actor is not None else NoCheckpoints()
     kl = _kl_controller(cfg)
     start, state = 0, checkpoints.resume()
     if state is not None:
         start = state["step"]
         prompts.load_state_dict(state["extra"]["prompts"])
         kl.beta = state["extra"].get("kl_coef", kl.beta)
+        if isinstance(source, AheadRollout):
+            source.resume(start + 1)
     weights = EngineSync(actor, engines, turns, version=start + 1) if syncing else NoSync()
     if syncing:
         actor.setup_sync(

@@ -113,6 +113,9 @@ class EngineRollout:
             "eval/length_mean": float(sum(len(s.output_ids) for s in samples) / len(samples)),
         }
 
+    def settle(self) -> None:
+        """No batch is ever in flight here (``rlsys.controller.ahead`` generates ahead)."""
+
     def close(self) -> None:
         self.rewards.close()
 

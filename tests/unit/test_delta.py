@@ -23,7 +23,8 @@ def test_the_smallest_encoding_wins():
 def test_first_send_is_whole_then_only_changes_then_nothing():
     enc = DeltaEncoder()
     w = torch.arange(100, dtype=torch.float32)
-    assert enc.encode("w", w) == [("w", w)]
+    [(name, sent)] = enc.encode("w", w)
+    assert name == "w" and sent is w
     new = w.clone()
     new[[2, 7]] = torch.tensor([-1.0, 0.5])
     [(name, blob)] = enc.encode("w", new)
@@ -89,3 +90,16 @@ def test_a_non_contiguous_target_is_written_back():
     [(name, blob)] = enc.encode("w", new)
     apply_delta(dst, name, blob)
     assert base[1, 4] == 5.0 and base.sum() == 5.0
+
+
+def test_a_mostly_changed_tensor_goes_whole_and_the_base_follows():
+    enc = DeltaEncoder()
+    w = torch.zeros(100_000)
+    enc.encode("w", w)
+    new = w + 1e-3  # every element: fp32 after an Adam step
+    [(name, sent)] = enc.encode("w", new)
+    assert name == "w" and torch.equal(sent, new)
+    sparse = new.clone()
+    sparse[[5, 99_999]] = 7.0
+    [(name, blob)] = enc.encode("w", sparse)  # against the new base, two changes
+    assert split(name)[1:] == ("idx", torch.float32, 2)
