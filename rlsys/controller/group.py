@@ -8,6 +8,7 @@ that hold them (last pipeline stage, TP rank 0).
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 from rlsys.errors import ConfigError, UserError
@@ -29,6 +30,9 @@ class RoleGroup:
     def __init__(self, spec: RoleSpec, use_ray: bool = True, placement: Placement | None = None):
         role, world = spec.role, spec.world
         self.role, self.world, self.use_ray = role, world, use_ray
+        # One role operation at a time: an engine restarted during a one_step_off rollout re-syncs from that
+        # thread, and two threads' collectives must not reach the ranks interleaved.
+        self._lock = threading.RLock()
         if use_ray:
             import ray
 
@@ -60,7 +64,10 @@ class RoleGroup:
 
     def _all(self, method: str, *per_rank_args, same=None):
         """Call ``method`` on every rank (``per_rank_args[r]`` or the shared ``same`` args); results in rank order."""
-        args = per_rank_args or [same or ()] * self.world
+        with self._lock:
+            return self._call_all(method, per_rank_args or [same or ()] * self.world)
+
+    def _call_all(self, method: str, args: list):
         if self.use_ray:
             import ray
 
