@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from contextlib import contextmanager
 
@@ -37,7 +38,8 @@ def step_metrics(step: int, rolled: RolloutBatch, t: Timer, learned: dict) -> di
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "rollout/weight_version": (version := version_number({s.weight_version for s in samples})),
-        "rollout/staleness": step - version,  # updates the trainer is ahead of the samples' policy
+        # updates the trainer is ahead of the samples' policy, where the engines said which policy that was
+        **({"rollout/staleness": step - version} if math.isfinite(version) else {}),
         **rolled.metrics,
         **t,
         "throughput/tokens_per_s": tokens / max(t["time/step_s"], 1e-9),

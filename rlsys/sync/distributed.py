@@ -286,8 +286,9 @@ class DistributedWeightSync:
                     self._finish_engines()
                 except Exception as e:
                     error = e
-            self._need_full = error is not None or self._failure is not None
+        self._need_full = True  # until every rank agrees that this sync landed whole
         self._agree(error)
+        self._need_full = False
         stats.seconds = time.perf_counter() - start
         stats.full = self.last_full
         return stats
