@@ -81,8 +81,7 @@ class AheadRollout:
     def evaluate(self) -> dict:
         return self.source.evaluate()
 
-    def close(self) -> None:
-        if self._next is not None:
-            self._next[1].cancel()
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self.source.close()
+    def close(self, wait: bool = True) -> None:
+        """Stop generating ahead (the wrapped source's engines and rewards have closers of their own).
+        ``wait=False`` after a failure: a batch still in flight is abandoned, not waited for."""
+        self._pool.shutdown(wait=wait, cancel_futures=True)

@@ -14,6 +14,7 @@ train            ``Replay`` (saved batches)   actor, ref, ...   ``NoSync``      
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -129,7 +130,7 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
         source = EngineRollout(engines, prompts, rewards, cfg.rollout.sampling, cfg.algorithm.filters, cfg.trainer.seed)
         if cfg.trainer.async_mode == "one_step_off" and mode == "full":
             source = AheadRollout(source, cfg.trainer.steps, pending_dir(out_dir))
-            closers.append((source.close, source.close))
+            closers.append((source.close, functools.partial(source.close, wait=False)))
     else:
         source = replay
 

@@ -69,10 +69,10 @@ def split(name: str) -> tuple[str, str, torch.dtype, int] | None:
     base, mark, rest = name.partition(MARK)
     if not mark:
         return None
-    kind, dtype, count = rest.split("/")
-    if kind not in ("idx", "bits"):
-        raise ValueError(f"{name}: unknown delta encoding {kind!r}")
-    return base, kind, dtype_from_str(dtype), int(count)
+    parts = rest.split("/")
+    if len(parts) != 3 or parts[0] not in ("idx", "bits") or not parts[2].isdigit():
+        raise ValueError(f"{name}: unknown delta encoding (expected NAME{MARK}idx|bits/DTYPE/COUNT)")
+    return base, parts[0], dtype_from_str(parts[1]), int(parts[2])
 
 
 class DeltaEncoder:

@@ -340,7 +340,15 @@ def test_distributed_update_both_formats_then_generation_uses_new_weights(qwen2,
         padded = torch.zeros(1024, embed.shape[1])
         r = trainer.push([("model.embed_tokens.weight", padded)], "flattened_bucket")
         assert r.status_code == 400 and "vocab" in r.json()["message"] and "1001" in r.json()["message"], r.text
+        blob = torch.zeros(16, dtype=torch.uint8)
+        for name, fmt in [
+            ("model.norm.weight@delta/rle/float32/2", None),  # a malformed delta name
+            ("model.norm.weight@delta/idx/float32/3", "flattened_bucket"),  # 3 changes need 16 + 12 bytes
+        ]:
+            r = trainer.push([(name, blob)], fmt)
+            assert r.status_code == 400 and "model.norm.weight@delta" in r.json()["message"], r.text
         assert post(qwen2, "/weights_checksum").json()["checksums"] == before
+        assert trainer.push([("model.norm.weight", norm)]).status_code == 200  # the group still works
     finally:
         trainer.close()
 

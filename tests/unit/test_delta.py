@@ -76,8 +76,9 @@ def test_a_broken_delta_is_refused_before_anything_is_written():
     with pytest.raises(ValueError, match="outside the tensor"):
         apply_delta(w, "w@delta/idx/float32/2", bad_index)
     assert torch.equal(w, torch.zeros(10))
-    with pytest.raises(ValueError, match="unknown delta encoding"):
-        split("w@delta/rle/float32/2")
+    for bad in ("w@delta/rle/float32/2", "w@delta/idx/float32/-2", "w@delta/idx/float32", "w@delta/idx/nosuch/2"):
+        with pytest.raises(ValueError, match="delta encoding|unknown dtype"):
+            split(bad)
 
 
 def test_a_non_contiguous_target_is_written_back():

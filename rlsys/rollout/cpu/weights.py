@@ -158,7 +158,10 @@ class HFWeights:
     def _target(self, name: str, shape, dtype, state) -> tuple[torch.Tensor | None, str | None]:
         """``(the model's tensor for name, None)``, or ``(None, "skip" | "unknown" | what is wrong)``.
         A delta sync's encoded delta (``rlsys.sync.delta``) targets the tensor it names."""
-        delta = split_delta(name)
+        try:
+            delta = split_delta(name)
+        except ValueError as e:  # a malformed delta name: refused like a wrong shape, before any broadcast
+            return None, str(e)
         target = name if delta is None else delta[0]
         if (self.tied and target == "lm_head.weight") or any(s in target for s in SKIPPED_NAMES):
             return None, "skip"
