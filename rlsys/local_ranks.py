@@ -13,6 +13,7 @@ instruction-set flags.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import tempfile
 
@@ -20,11 +21,44 @@ from rlsys.errors import UserError
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now (another process may take it before it is used: fine for tests and
-    single-user nodes)."""
+    """A TCP port free right now, for a process started next to listen on (an engine).
+
+    Picked outside the kernel's ephemeral range and Ray's worker ports (10002-19999): asking the kernel for
+    port 0 returns an ephemeral port, and any outgoing connection of the node (Ray opens many) may take that
+    one as its source port before the new process binds it. Where those ranges leave nothing, port 0.
+    Rendezvous stores do not use this: ``listening_store`` holds its socket from the start.
+    """
+    lo, _ = _ephemeral_range()
+    start = 20000 if lo > 21000 else 1024
+    for port in random.sample(range(start, lo), min(64, max(lo - start, 0))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default; other systems use 49152-65535, also above this
+
+
+def listening_store(host: str, timeout_s: float):
+    """A ``TCPStore`` server already listening on a port the kernel chose (``.port``): nothing can take the
+    port between choosing it and the rendezvous, as it can with a port chosen first and bound later."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 def node_address() -> str:

@@ -63,15 +63,21 @@ class Topology:
         )
 
 
-def init_distributed(device: str = "cpu", timeout_minutes: int = 10) -> None:
-    """Join the default process group from torchrun-style env vars (NCCL on CUDA, gloo on CPU)."""
+def init_distributed(device: str = "cpu", timeout_minutes: int = 10, store=None) -> None:
+    """Join the default process group from torchrun-style env vars (NCCL on CUDA, gloo on CPU); ``store``:
+    the rendezvous store this rank already holds (rank 0's listening one), else the env's address."""
     platform.prepare(device)
     if dist.is_initialized():
         return
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+    timeout = timedelta(minutes=timeout_minutes)
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank, world_size=world)
 
 
 def build_topology(parallel: ParallelConfig, device: str = "cpu", seed: int = 1234) -> Topology:

@@ -80,7 +80,7 @@ import torch
 import torch.distributed as dist
 
 from rlsys.architectures.fp8 import quantize_named_tensors
-from rlsys.local_ranks import free_port, node_address
+from rlsys.local_ranks import listening_store, node_address
 from rlsys.megatron.export import is_dense_writer, is_expert_writer, iter_hf_tensors
 from rlsys.rollout.protocol import needs_weight_update_session
 from rlsys.sync.buckets import Bucket, Bucketer, Handoff, WriterFailed, recv_bucket, send_bucket, send_end
@@ -206,7 +206,8 @@ class DistributedWeightSync:
         if not casts:
             self.connected = True
             return
-        port = free_port(self.master_address)
+        store = listening_store(self.master_address, self.timeout_s)  # holds its port until the engines join
+        port = store.port
         world = 1 + sum(tp for _, tp in casts)
         offsets = [1 + sum(tp for _, tp in casts[:i]) for i in range(len(casts))]
         self._groups_made += 1
@@ -226,7 +227,9 @@ class DistributedWeightSync:
             for (e, _), off in zip(casts, offsets)
         ]
         init = f"tcp://{self.master_address}:{port}"
-        joined = self._calls.submit(init_custom_process_group, self.backend, init, world, 0, name, self.timeout_s)
+        joined = self._calls.submit(
+            init_custom_process_group, self.backend, init, world, 0, name, self.timeout_s, store=store
+        )
         _first_error([*futures, joined], self.timeout_s)
         self.group, self.active_group_name = joined.result(), name
         self.connected = True  # only now: a failed connect is tried again by the next sync

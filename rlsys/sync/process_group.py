@@ -19,13 +19,21 @@ from torch.distributed import distributed_c10d as c10d
 
 
 def init_custom_process_group(
-    backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout_s: float = 300.0
+    backend: str,
+    init_method: str,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout_s: float = 300.0,
+    store: dist.Store | None = None,
 ) -> dist.ProcessGroup:
-    """Join group ``group_name`` of ``world_size`` members at ``init_method`` (``tcp://host:port``) as ``rank``."""
+    """Join group ``group_name`` of ``world_size`` members at ``init_method`` (``tcp://host:port``) as ``rank``;
+    ``store``: the listening store rank 0 already holds at that address (``local_ranks.listening_store``)."""
     if not group_name:
         raise ValueError("group_name must be non-empty: it namespaces the rendezvous store")
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
+    if store is None:
+        store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = dist.PrefixStore(group_name, store)
     pg, _ = c10d._new_process_group_helper(

@@ -19,11 +19,13 @@ _driver_env: dict | None = None  # the process's rendezvous variables before the
 
 class RankWorker:
     def address(self) -> tuple[str, int]:
-        """Where rank 0 hosts the role's rendezvous (asked of rank 0 only)."""
-        from rlsys.local_ranks import free_port, node_address
+        """Where rank 0 hosts the role's rendezvous (asked of rank 0 only): a store listening already, so no
+        other process can take its port before ``init``."""
+        from rlsys.local_ranks import listening_store, node_address
 
         host = node_address()
-        return host, free_port(host)
+        self._store = listening_store(host, timeout_s=600)
+        return host, self._store.port
 
     def init(self, rank: int, master: tuple[str, int], spec: RoleSpec) -> dict:
         """Join the role's process group, build the topology and the model from ``spec``."""
@@ -38,7 +40,7 @@ class RankWorker:
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank), WORLD_SIZE=str(world))
         os.environ.setdefault("LOCAL_RANK", str(rank))
         torch.set_num_threads(spec.threads)  # ranks share the host's cores
-        init_distributed(spec.device)
+        init_distributed(spec.device, store=getattr(self, "_store", None) if rank == 0 else None)
         p = spec.role_cfg.parallel
         self.role = role = spec.role
         self.topo = build_topology(p, device=spec.device, seed=spec.seed)
