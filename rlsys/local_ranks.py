@@ -61,6 +61,15 @@ def listening_store(host: str, timeout_s: float):
     return dist.TCPStore(host, 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
+def store_client(host: str, port: int, timeout_s: float):
+    """A client of the ``listening_store`` at ``host:port``."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=timeout_s))
+
+
 def node_address() -> str:
     """The address other nodes reach this process at: Ray's IP of this node inside a Ray worker or driver
     (what the engines' hosts and the placement use too), else the launcher's ``MASTER_ADDR``, else loopback.

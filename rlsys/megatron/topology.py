@@ -64,8 +64,9 @@ class Topology:
 
 
 def init_distributed(device: str = "cpu", timeout_minutes: int = 10, store=None) -> None:
-    """Join the default process group from torchrun-style env vars (NCCL on CUDA, gloo on CPU); ``store``:
-    the rendezvous store this rank already holds (rank 0's listening one), else the env's address."""
+    """Join the default process group from torchrun-style env vars (NCCL on CUDA, gloo on CPU). ``store``:
+    the rendezvous store, given by every rank or none (torch prefixes only the stores it makes itself):
+    rank 0's listening one (``local_ranks.listening_store``), the others' clients of it."""
     platform.prepare(device)
     if dist.is_initialized():
         return
@@ -75,9 +76,9 @@ def init_distributed(device: str = "cpu", timeout_minutes: int = 10, store=None)
     timeout = timedelta(minutes=timeout_minutes)
     if store is None:
         dist.init_process_group(backend=backend, timeout=timeout)
-    else:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank, world_size=world)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank, world_size=world)
 
 
 def build_topology(parallel: ParallelConfig, device: str = "cpu", seed: int = 1234) -> Topology:

@@ -29,6 +29,7 @@ class RankWorker:
 
     def init(self, rank: int, master: tuple[str, int], spec: RoleSpec) -> dict:
         """Join the role's process group, build the topology and the model from ``spec``."""
+        from rlsys.local_ranks import store_client
         from rlsys.megatron.topology import build_topology, init_distributed
         from rlsys.telemetry.noise import quiet_libraries
 
@@ -40,7 +41,8 @@ class RankWorker:
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank), WORLD_SIZE=str(world))
         os.environ.setdefault("LOCAL_RANK", str(rank))
         torch.set_num_threads(spec.threads)  # ranks share the host's cores
-        init_distributed(spec.device, store=getattr(self, "_store", None) if rank == 0 else None)
+        store = self._store if rank == 0 else store_client(*master, timeout_s=600)
+        init_distributed(spec.device, store=store)
         p = spec.role_cfg.parallel
         self.role = role = spec.role
         self.topo = build_topology(p, device=spec.device, seed=spec.seed)
