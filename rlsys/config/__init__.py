@@ -35,6 +35,7 @@ from rlsys.config.schema import (
     LossAggMode,
     MismatchConfig,
     ModelConfig,
+    MultiTurnConfig,
     OptimizerConfig,
     OverlongConfig,
     ParallelConfig,
@@ -52,6 +53,7 @@ from rlsys.config.schema import (
     ValueLossConfig,
     ValueObjective,
     releases_engine_memory,
+    response_tokens,
 )
 
 __all__ = [
@@ -71,6 +73,7 @@ __all__ = [
     "MOVED_KEYS",
     "MismatchConfig",
     "ModelConfig",
+    "MultiTurnConfig",
     "OptimizerConfig",
     "OverlongConfig",
     "ParallelConfig",
@@ -90,6 +93,7 @@ __all__ = [
     "ValueLossConfig",
     "ValueObjective",
     "releases_engine_memory",
+    "response_tokens",
     "check_fields",
     "config_to_dict",
     "dump_yaml",

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlsys.config.schema import ROLES, AlgorithmConfig, RoleConfig, RolloutConfig, RunConfig, releases_engine_memory
+from rlsys.config.schema import (
+    ROLES,
+    AlgorithmConfig,
+    RoleConfig,
+    RolloutConfig,
+    RunConfig,
+    releases_engine_memory,
+    response_tokens,
+)
 from rlsys.errors import ConfigError
 
 
@@ -80,6 +88,10 @@ def _check_rollout(r: RolloutConfig) -> None:
     _need(s.top_k == -1 or s.top_k >= 1, "rollout.sampling.top_k", s.top_k, "must be -1 (off) or >= 1")
     _need(r.sync.bucket_mb > 0, "rollout.sync.bucket_mb", r.sync.bucket_mb, "must be > 0")
     _need(r.sync.timeout_s > 0, "rollout.sync.timeout_s", r.sync.timeout_s, "must be > 0")
+    m = r.multi_turn
+    if m.env is not None:
+        _positive(m, "rollout.multi_turn", "max_turns", "max_total_tokens", "concurrency")
+        _need(m.tool_timeout_s > 0, "rollout.multi_turn.tool_timeout_s", m.tool_timeout_s, "must be > 0")
 
 
 def _check_algorithm(a: AlgorithmConfig) -> None:
@@ -198,12 +210,12 @@ def _check_cross_section(cfg: RunConfig) -> None:
         mini_batches,
         f"must divide the samples per step (data.prompts_per_step * rollout.sampling.n = {samples})",
     )
-    seq = cfg.data.max_prompt_len + cfg.rollout.sampling.max_new_tokens
+    seq = cfg.data.max_prompt_len + response_tokens(cfg)
     for role in ROLES:
         budget = getattr(cfg, role).batch.max_tokens_per_microbatch
         _need(
             budget is None or budget >= seq,
             f"{role}.batch.max_tokens_per_microbatch",
             budget,
-            f"a micro batch must hold one whole sequence (data.max_prompt_len + sampling.max_new_tokens = {seq})",
+            f"a micro batch must hold one whole sequence (data.max_prompt_len + the longest response = {seq})",
         )

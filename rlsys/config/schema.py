@@ -123,6 +123,21 @@ class SyncConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn tool-calling rollouts (rlsys.rollout.multi_turn): the model calls an environment's tools
+    and sees their output between its turns; only its own tokens are trained on. The trajectory's score is
+    the reward function (reward.*) on the final answer plus the environment's step rewards."""
+
+    env: str | None = None  # registry name (calculator, search, synthetic_calculator) or 'pkg.mod:Class'; None: off
+    env_kwargs: dict[str, Any] = field(default_factory=dict)  # arguments of the environment's constructor
+    tool_format: Literal["auto", "hermes", "llama3", "tags"] = "auto"  # auto: from the tokenizer's chat template
+    max_turns: int = 4  # assistant turns per trajectory (the last one is never followed by a tool call)
+    max_total_tokens: int = 1024  # response tokens over all turns, tool output and template glue included
+    tool_timeout_s: float = 30.0  # per environment call; an overrun is an error observation
+    concurrency: int = 16  # environment calls in flight at once
+
+
+@dataclass
 class RolloutConfig:
     engine: Literal["sglang", "cpu"] = "sglang"  # "cpu" is a slow HF-based engine for tests
     tp: int = 1  # tensor parallel size of each engine
@@ -141,6 +156,7 @@ class RolloutConfig:
     release_memory: bool | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
@@ -387,6 +403,13 @@ def releases_engine_memory(cfg) -> bool:
     if r.release_memory is not None:
         return r.release_memory
     return cfg.cluster.colocate and not r.urls and cfg.cluster.device == "cuda"
+
+
+def response_tokens(cfg) -> int:
+    """The longest response a sample can have: every turn of a multi-turn trajectory with its tool output,
+    else one generation's ``max_new_tokens``."""
+    r = cfg.rollout
+    return r.multi_turn.max_total_tokens if r.multi_turn.env else r.sampling.max_new_tokens
 
 
 @dataclass

@@ -12,7 +12,7 @@ from rlsys.config import RunConfig
 from rlsys.controller.metrics import Timer, check_updates, sample_rows, step_metrics
 from rlsys.controller.replay import rollout_dir, save_rollout
 from rlsys.controller.run import Run, build_run
-from rlsys.rollout.batch import RolloutBatch, response_tensors
+from rlsys.rollout.batch import RolloutBatch, loss_masks, response_tensors
 from rlsys.worker.batch import TrainBatch, pad_rows, unpad_rows
 
 
@@ -80,6 +80,8 @@ def learn(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
     seqs, prompt_lens, engine_logp = response_tensors(rolled.samples)
     batch = TrainBatch(seqs, prompt_lens)
     batch.set("rollout_logp", engine_logp)
+    if (masks := loss_masks(rolled.samples)) is not None:  # multi-turn: tool output and glue are not trained
+        batch.set("loss_mask", masks)
     lengths, mask = batch.response_lengths, batch.response_mask()
     # one on-policy update whose forward gives the old log-probs: no separate pass before it
     in_update = old_logprobs_in_update(algo, ref is not None, n)
@@ -114,7 +116,7 @@ def learn(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
             rollout_logp = batch.padded("rollout_logp")
             weights, keep, mismatch = mismatch_weights(old_logp, rollout_logp, mask, m.mode, m.cap, m.level, m.lower)
             batch.set("rollout_weights", unpad_rows(weights, lengths))
-            batch.set("loss_mask", unpad_rows(keep, lengths))
+            batch.set("loss_mask", unpad_rows(keep * mask, lengths))
 
         # 6. update the critic, then the actor (VAPO: the critic alone for its first critic_warmup_steps)
         with t("update"):

@@ -30,9 +30,11 @@ from rlsys.controller.replay import Replay, rollout_dir
 from rlsys.controller.setup import prepare_model_dir, role_spec, start_ray
 from rlsys.controller.weights import EngineSync, NoSync
 from rlsys.data.prompts import PromptSource
+from rlsys.envs.registry import env_tools
 from rlsys.plan import enabled_roles, sync_load_format, sync_transports
 from rlsys.rollout.batch import EngineRollout
 from rlsys.rollout.launch import start_engines
+from rlsys.rollout.multi_turn import MultiTurnDriver
 from rlsys.rollout.pool import EnginePool
 
 if TYPE_CHECKING:
@@ -100,7 +102,9 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
 
     out_dir = cfg.trainer.output_dir
     replay = Replay(replay_dir or rollout_dir(out_dir)) if mode == "train" else None
-    prompts = PromptSource(cfg.data, cfg.model, seed=cfg.trainer.seed)
+    env = cfg.rollout.multi_turn
+    tools = env_tools(env.env, env.env_kwargs) if env.env else None  # a bad environment fails here
+    prompts = PromptSource(cfg.data, cfg.model, seed=cfg.trainer.seed, tools=tools)
     rewards = RewardManager(cfg.reward) if replay is None else None  # a bad reward fails before anything starts
     if rewards is not None:
         closers.append((rewards.close, rewards.close))
@@ -114,26 +118,9 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
         placement = Placement.create(cfg)
         closers.append((placement.close, placement.close))
 
-    engines = source = None
+    engines, source = None, replay
     if replay is None:
-        engines = start_engines(
-            cfg.rollout,
-            model_dir,
-            cfg.model.dtype,
-            cfg.trainer.seed,
-            f"{out_dir}/logs",
-            placement=placement,
-            device=cfg.cluster.device,
-            memory_saver=releases_engine_memory(cfg),
-        )
-        closers.append((engines.close, engines.close))
-        source = EngineRollout(engines, prompts, rewards, cfg.rollout.sampling, cfg.algorithm.filters, cfg.trainer.seed)
-        if cfg.trainer.async_mode == "one_step_off" and mode == "full":
-            source = AheadRollout(source, cfg.trainer.steps, pending_dir(out_dir))
-            closers.append((source.close, functools.partial(source.close, wait=False)))
-    else:
-        source = replay
-
+        engines, source = _engine_source(cfg, mode, model_dir, placement, prompts, rewards, closers)
     roles = _start_roles(cfg, mode, model_dir, use_ray, placement, closers)
     actor, critic = roles.get("actor"), roles.get("critic")
     syncing = actor is not None and engines is not None
@@ -173,6 +160,35 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
         cfg, prompts, source, roles, turns, weights, checkpoints, kl, logger, progress, start, last_step,
         closers,
     )  # fmt: skip
+
+
+def _engine_source(cfg: RunConfig, mode: str, model_dir: str, placement, prompts, rewards, closers: list) -> tuple:
+    """The engines and where batches come from with them: ``EngineRollout`` (multi-turn with an environment),
+    generated one step ahead in ``one_step_off``."""
+    out_dir = cfg.trainer.output_dir
+    engines = start_engines(
+        cfg.rollout,
+        model_dir,
+        cfg.model.dtype,
+        cfg.trainer.seed,
+        f"{out_dir}/logs",
+        placement=placement,
+        device=cfg.cluster.device,
+        memory_saver=releases_engine_memory(cfg),
+    )
+    closers.append((engines.close, engines.close))
+    driver = None
+    if cfg.rollout.multi_turn.env:
+        templated = cfg.data.chat_template == "tokenizer"
+        driver = MultiTurnDriver(engines, prompts.tokenizer, cfg.rollout.multi_turn, templated)
+        closers.append((driver.close, driver.close))
+    source = EngineRollout(
+        engines, prompts, rewards, cfg.rollout.sampling, cfg.algorithm.filters, cfg.trainer.seed, driver
+    )
+    if cfg.trainer.async_mode == "one_step_off" and mode == "full":
+        source = AheadRollout(source, cfg.trainer.steps, pending_dir(out_dir))
+        closers.append((source.close, functools.partial(source.close, wait=False)))
+    return engines, source
 
 
 def _start_roles(cfg: RunConfig, mode: str, model_dir: str, use_ray: bool, placement, closers: list) -> dict:

@@ -110,20 +110,38 @@ def get_key(record: dict, key: str, config_key: str):
     return value
 
 
-def render(prompt, tokenizer, chat_template: str, prompt_template: str = "{prompt}") -> tuple[str, bool]:
+def render(prompt, tokenizer, chat_template: str, prompt_template: str = "{prompt}", tools=None) -> tuple[str, bool]:
     """The prompt text and whether it came from the chat template (which carries its own BOS).
 
     ``prompt_template`` wraps a string prompt (the user turn, with the chat template), or the joined text
-    of a chat given as messages when rendered plain.
+    of a chat given as messages when rendered plain. ``tools``: the JSON schemas of a multi-turn
+    environment's tools, which the chat template describes to the model (plain prompts do not).
     """
     # replace, not str.format: templates of math prompts are full of braces (\boxed{}).
     wrap = prompt_template.replace
     chat = isinstance(prompt, list)
     messages = prompt if chat else [{"role": "user", "content": wrap("{prompt}", str(prompt))}]
     if chat_template == "tokenizer" and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), True
+        text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
+        if tools and text == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False):
+            # a template that ignores tools= (SmolLM2's): describe them in a system turn, in Hermes's words
+            messages = [{"role": "system", "content": hermes_tools_prompt(tools)}, *messages]
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return text, True
     text = "\n".join(str(m["content"]) for m in messages)
     return (wrap("{prompt}", text) if chat else text), False
+
+
+def hermes_tools_prompt(tools: list[dict]) -> str:
+    """The system prompt Hermes-format models were trained with to call ``tools``."""
+    listed = "\n".join(json.dumps(t) for t in tools)
+    return (
+        "You may call one or more functions to assist with the user query.\n\n"
+        f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within "
+        '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
+        "\n</tool_call>"
+    )
 
 
 class PromptDataset:
@@ -137,6 +155,7 @@ class PromptDataset:
         chat_template: str = "tokenizer",
         prompt_template: str = "{prompt}",
         source: str = "records",
+        tools: list[dict] | None = None,
     ):
         if not records:
             raise ConfigError("data.path", f"{source}: no records")
@@ -145,7 +164,7 @@ class PromptDataset:
         self.source, self.prompts, self.dropped, longest = source, [], 0, 0
         for record in records:
             prompt = get_key(record, prompt_key, "data.prompt_key")
-            text, templated = render(prompt, tokenizer, chat_template, prompt_template)
+            text, templated = render(prompt, tokenizer, chat_template, prompt_template, tools)
             answer = get_key(record, answer_key, "data.answer_key") if answer_key else None
             ids = list(tokenizer.encode(text, add_special_tokens=not templated))
             if len(ids) > max_prompt_len:
@@ -161,7 +180,7 @@ class PromptDataset:
             raise ConfigError("data.max_prompt_len", f"all {len(records)} prompts of {source} are longer than it")
 
     @classmethod
-    def from_config(cls, data_cfg, tokenizer, split: str = "train", seed: int = 0) -> PromptDataset | None:
+    def from_config(cls, data_cfg, tokenizer, split: str = "train", seed: int = 0, tools=None) -> PromptDataset | None:
         """The train or eval dataset of a ``DataConfig``; ``data.path: null`` is the synthetic task.
         Returns None for an eval split that the config does not define."""
         path = data_cfg.path if split == "train" else data_cfg.eval_path
@@ -181,6 +200,7 @@ class PromptDataset:
             data_cfg.chat_template,
             data_cfg.prompt_template,
             source,
+            tools,
         )
 
     def __len__(self) -> int:

@@ -14,13 +14,15 @@ from rlsys.errors import ConfigError
 
 
 class PromptSource:
-    def __init__(self, data: DataConfig, model: ModelConfig, seed: int):
+    def __init__(self, data: DataConfig, model: ModelConfig, seed: int, tools: list[dict] | None = None):
+        """``tools``: the multi-turn environment's tool schemas, rendered into templated prompts (and the
+        synthetic task's tokenizer gains its tool tokens)."""
         self.cfg, self.seed, self.batches = data, seed, 0
         self.batch_size = data.prompts_per_step
         if data.path is None:
             from rlsys.data.synthetic import SyntheticTask
 
-            self.task = SyntheticTask(data.synthetic_task, seed=seed, length=data.synthetic_length)
+            self.task = SyntheticTask(data.synthetic_task, seed=seed, length=data.synthetic_length, tools=bool(tools))
             self.tokenizer = self.task.tokenizer
             self.dataset = None
         else:
@@ -45,8 +47,8 @@ class PromptSource:
                     f"{model.path!r} has no loadable tokenizer ({first}); data.path needs one: copy the "
                     "tokenizer files (tokenizer.json, tokenizer_config.json) into the checkpoint directory",
                 ) from None
-            self.dataset = PromptDataset.from_config(data, self.tokenizer, "train", seed)
-            self.eval_dataset = PromptDataset.from_config(data, self.tokenizer, "eval", seed)
+            self.dataset = PromptDataset.from_config(data, self.tokenizer, "train", seed, tools)
+            self.eval_dataset = PromptDataset.from_config(data, self.tokenizer, "eval", seed, tools)
             self.sampler = EpochSampler(len(self.dataset), seed=seed, shuffle=data.shuffle)
 
     def _tokenized(self, items: list[dict]) -> list[Prompt]:

@@ -42,23 +42,27 @@ DIGITS = [str(d) for d in range(10)]
 KINDS = ("copy", "reverse", "sort", "add")
 SMALL_SPACE = 100_000  # problem spaces up to this size are listed to pick the eval split
 VOCAB = SPECIAL_TOKENS + DIGITS + LETTERS + list(KINDS) + ["=", "+"]
+# appended for tool-calling runs (rollout.multi_turn), so the plain task's ids and vocab size stay as measured
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 
 class SyntheticTokenizer:
-    """Word-level tokenizer over ``VOCAB``: text is tokens separated by spaces."""
+    """Word-level tokenizer over ``VOCAB`` (and ``TOOL_TOKENS`` with ``tools``): text is tokens separated by
+    spaces."""
 
-    def __init__(self):
-        self.vocab = {tok: i for i, tok in enumerate(VOCAB)}
+    def __init__(self, tools: bool = False):
+        self.words = VOCAB + TOOL_TOKENS if tools else VOCAB
+        self.vocab = {tok: i for i, tok in enumerate(self.words)}
         self.pad_token_id, self.eos_token_id, self.unk_token_id = 0, 1, 2
         self.pad_token, self.eos_token, self.unk_token = SPECIAL_TOKENS
         self.chat_template = None  # prompts are used as they are (data.chat_template falls back to plain)
 
     @property
     def vocab_size(self) -> int:
-        return len(VOCAB)
+        return len(self.words)
 
     def __len__(self) -> int:
-        return len(VOCAB)
+        return len(self.words)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [self.vocab.get(tok, self.unk_token_id) for tok in text.split()]
@@ -66,7 +70,7 @@ class SyntheticTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         # <unk> (and ids past the vocab, from a model with a padded vocab) stay in the text: hidden,
         # they would let "a <unk> b c" score as "a b c".
-        toks = [VOCAB[i] if 0 <= i < len(VOCAB) else self.unk_token for i in ids]
+        toks = [self.words[i] if 0 <= i < len(self.words) else self.unk_token for i in ids]
         return " ".join(t for t in toks if not (skip_special_tokens and t in SKIPPED_TOKENS))
 
     def save_pretrained(self, out_dir: str) -> str:
@@ -118,7 +122,9 @@ def _hash(prompt: str) -> float:
 class SyntheticTask:
     """Problem generator, tokenizer and reward of one task kind."""
 
-    def __init__(self, kind: str = "copy", seed: int = 0, length: int = 3, alphabet: int = 4, eval_fraction=0.1):
+    def __init__(
+        self, kind: str = "copy", seed: int = 0, length: int = 3, alphabet: int = 4, eval_fraction=0.1, tools=False
+    ):
         if kind not in KINDS:
             raise ValueError(f"unknown synthetic task kind {kind!r}; choose one of {list(KINDS)}")
         if not 1 <= length <= 8:
@@ -127,7 +133,7 @@ class SyntheticTask:
             raise ValueError(f"synthetic task alphabet must be in [2, {len(LETTERS)}], got {alphabet}")
         self.kind, self.seed, self.length, self.alphabet = kind, seed, length, alphabet
         self.eval_fraction = eval_fraction
-        self.tokenizer = SyntheticTokenizer()
+        self.tokenizer = SyntheticTokenizer(tools)
         self.reward_name = "synthetic"
 
     @property

@@ -216,10 +216,14 @@ def _check_rollout(cfg: RunConfig, arch: ModelArch) -> None:
         raise ConfigError("rollout.tp", f"{r.tp} does not divide the cluster's {total_devices(cfg)} devices")
     seq = sequence_length(cfg)
     if seq > arch.max_position_embeddings:
+        key, value = (
+            ("rollout.multi_turn.max_total_tokens", r.multi_turn.max_total_tokens)
+            if r.multi_turn.env
+            else ("rollout.sampling.max_new_tokens", r.sampling.max_new_tokens)
+        )
         raise ConfigError(
-            "rollout.sampling.max_new_tokens",
-            f"{r.sampling.max_new_tokens} is invalid: prompt "
-            f"{cfg.data.max_prompt_len} + new tokens = {seq} exceeds the model's "
+            key,
+            f"{value} is invalid: prompt {cfg.data.max_prompt_len} + response tokens = {seq} exceeds the model's "
             f"max_position_embeddings={arch.max_position_embeddings}",
         )
 

@@ -7,7 +7,7 @@ Devices are numbered globally: device d is local device ``d % devices_per_node``
 
 from __future__ import annotations
 
-from rlsys.config import ROLES, RunConfig
+from rlsys.config import ROLES, RunConfig, response_tokens
 from rlsys.errors import ConfigError
 
 
@@ -21,7 +21,7 @@ def rollout_devices(cfg: RunConfig) -> int:
 
 
 def sequence_length(cfg: RunConfig) -> int:
-    return cfg.data.max_prompt_len + cfg.rollout.sampling.max_new_tokens
+    return cfg.data.max_prompt_len + response_tokens(cfg)
 
 
 def enabled_roles(cfg: RunConfig) -> list[str]:

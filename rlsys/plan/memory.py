@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlsys.config import RunConfig, releases_engine_memory
+from rlsys.config import RunConfig, releases_engine_memory, response_tokens
 from rlsys.errors import ConfigError
 from rlsys.sizing import count_params, padded_vocab
 
@@ -61,7 +61,7 @@ def _logits(cfg: RunConfig, role_plan, arch) -> float:
     if role_plan.name == "critic":  # a scalar value head
         return 0.0
     role = getattr(cfg, role_plan.name)
-    seq = cfg.data.max_prompt_len + cfg.rollout.sampling.max_new_tokens
+    seq = cfg.data.max_prompt_len + response_tokens(cfg)
     tokens = role.batch.max_tokens_per_microbatch or role.batch.micro_batch_size * seq
     p = role_plan.parallel
     vocab = padded_vocab(arch, p.tp, cfg.model.make_vocab_size_divisible_by)

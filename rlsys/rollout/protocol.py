@@ -210,6 +210,9 @@ class Sample:
     weight_version_spans: list[tuple[str, int, int]] = field(default_factory=list)
     finish_message: str | None = None  # abort reason, if any
     rid: str | None = None
+    # multi-turn (rlsys.rollout.multi_turn): 1 on the model's tokens, 0 on tool output and template glue
+    loss_mask: list[int] | None = None
+    env_reward: float = 0.0  # the environment's step rewards, added to the final answer's score
 
 
 def parse_generate_response(

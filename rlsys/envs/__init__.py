@@ -1,0 +1,1 @@
+"""Environments of multi-turn rollouts: the interface, tool-call formats, the built-in tools."""
