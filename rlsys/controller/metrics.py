@@ -56,7 +56,11 @@ def version_number(versions: set) -> float:
 def sample_rows(rolled: RolloutBatch, tokenizer, k: int) -> list[dict]:
     """The first ``k`` samples as printed and kept in ``samples.jsonl``."""
     rows = list(zip(rolled.samples, rolled.texts, rolled.scores.tolist()))[:k]
-    return [{"prompt": tokenizer.decode(s.prompt_ids), "response": text, "reward": float(r)} for s, text, r in rows]
+    out = [{"prompt": tokenizer.decode(s.prompt_ids), "response": text, "reward": float(r)} for s, text, r in rows]
+    for row, (s, _, _) in zip(out, rows):
+        if s.loss_mask is not None and 0 in s.loss_mask:  # multi-turn: the whole trajectory, tool output too
+            row["response"] = tokenizer.decode(s.output_ids, skip_special_tokens=True)
+    return out
 
 
 def check_updates(bad_steps: list[int], limit: int, step: int, metrics: dict) -> None:

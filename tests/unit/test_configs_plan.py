@@ -48,9 +48,7 @@ CONFIGS = {
     "tiny-cpu-tools-grpo.yaml": Expected(None, 1, "TP2 x PP1 x CP1 x EP1 x DP1", (2,), (1, 1), True),
     "smollm2-135m-arithmetic-grpo.yaml": Expected(None, 1, "TP1 x PP1 x CP1 x EP1 x DP1", (30,), (1, 1), True),
     "qwen2.5-0.5b-gsm8k-grpo.yaml": Expected("H100 80GB", 1, "TP1 x PP1 x CP1 x EP1 x DP8", (24,), (8, 1), True),
-    "qwen2.5-0.5b-gsm8k-tools-grpo.yaml": Expected(
-        "H100 80GB", 1, "TP1 x PP1 x CP1 x EP1 x DP8", (24,), (8, 1), True
-    ),
+    "qwen2.5-0.5b-gsm8k-tools-grpo.yaml": Expected("H100 80GB", 1, "TP1 x PP1 x CP1 x EP1 x DP8", (24,), (8, 1), True),
     "qwen3-8b-dapo.yaml": Expected("H100 80GB", 1, "TP2 x PP1 x CP1 x EP1 x DP4", (36,), (4, 2), True),
     "llama3_8b_ppo.yaml": Expected("H100 80GB", 4, "TP4 x PP1 x CP1 x EP1 x DP4", (32,), (4, 2), False),
     "qwen3-30b-a3b-grpo.yaml": Expected("H200 141GB", 1, "TP4 x PP1 x CP1 x EP8 x DP2", (48,), (4, 2), True),

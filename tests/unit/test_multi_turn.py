@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from chat_tokenizers import QWEN_LIKE, byte_tokenizer
 
 from rlsys.config import FiltersConfig, MultiTurnConfig, RewardConfig, SamplingConfig
 from rlsys.data.dataset import Prompt, render
@@ -28,47 +29,6 @@ from rlsys.rollout.batch import EngineRollout, loss_masks
 from rlsys.rollout.chat_glue import ChatGlue
 from rlsys.rollout.multi_turn import MultiTurnDriver, final_answer_ids
 from rlsys.rollout.protocol import Sample
-
-QWEN_LIKE = (
-    "{%- if tools %}<|im_start|>system\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>"
-    "<|im_end|>\n{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
-    "{{ '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
-    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-LLAMA_LIKE = (
-    "<|begin_of_text|>{%- for m in messages %}"
-    "{%- if m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
-    "{%- else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>{% endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
-    "{# <|python_tag|> #}"
-)
-SPECIALS = {
-    "qwen": ["<|im_start|>", "<|im_end|>"],
-    "llama": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>"],
-}
-
-
-def byte_tokenizer(kind: str):
-    """A byte-level tokenizer (every text round-trips exactly) with the chat template of ``kind``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
-    eos = "<|im_end|>" if kind == "qwen" else "<|eot_id|>"
-    fast.add_special_tokens({"eos_token": eos, "additional_special_tokens": SPECIALS[kind]})
-    fast.chat_template = QWEN_LIKE if kind == "qwen" else LLAMA_LIKE
-    return fast
 
 
 class ScriptedEngines:
