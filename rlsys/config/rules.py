@@ -151,38 +151,18 @@ def _check_cross_section(cfg: RunConfig) -> None:
     overlong = a.filters.overlong
     if overlong.enabled:
         _need(
-            overlong.buffer_length <= cfg.rollout.sampling.max_new_tokens,
+            overlong.buffer_length <= response_tokens(cfg),
             "algorithm.filters.overlong.buffer_length",
             overlong.buffer_length,
-            f"must be <= rollout.sampling.max_new_tokens ({cfg.rollout.sampling.max_new_tokens})",
+            f"must be <= the longest response ({response_tokens(cfg)} tokens: rollout.sampling.max_new_tokens, or "
+            "rollout.multi_turn.max_total_tokens with an environment)",
         )
     if a.name == "ppo":
         _need(cfg.critic.enabled, "critic.enabled", False, "algorithm 'ppo' needs a critic (GAE)")
     warmup = a.schedule.critic_warmup_steps
     if warmup:
         _need(cfg.critic.enabled, "algorithm.schedule.critic_warmup_steps", warmup, "needs critic.enabled: true")
-    if cfg.rollout.release_memory is True:
-        _need(
-            cfg.cluster.colocate and not cfg.rollout.urls,
-            "rollout.release_memory",
-            True,
-            "only for engines rlsys launches on the training devices (cluster.colocate: true, no rollout.urls)",
-        )
-    if cfg.rollout.sync.delta:
-        _need(
-            cfg.rollout.engine == "cpu",
-            "rollout.sync.delta",
-            True,
-            "applies changed elements in place, which only rlsys's CPU engine does (SGLang's loaders take whole "
-            "tensors): set rollout.engine: cpu or rollout.sync.delta: false",
-        )
-        _need(
-            not releases_engine_memory(cfg),
-            "rollout.sync.delta",
-            True,
-            "engines that release their weights (rollout.release_memory) get them back whole on every sync: "
-            "set rollout.release_memory: false or rollout.sync.delta: false",
-        )
+    _check_engine_memory(cfg)
     if cfg.trainer.async_mode != "sync":
         offloaded = [role for role in ROLES if getattr(cfg, role).offload]
         _need(
@@ -218,4 +198,30 @@ def _check_cross_section(cfg: RunConfig) -> None:
             f"{role}.batch.max_tokens_per_microbatch",
             budget,
             f"a micro batch must hold one whole sequence (data.max_prompt_len + the longest response = {seq})",
+        )
+
+
+def _check_engine_memory(cfg: RunConfig) -> None:
+    """Engines that give their memory back, and what that rules out."""
+    if cfg.rollout.release_memory is True:
+        _need(
+            cfg.cluster.colocate and not cfg.rollout.urls,
+            "rollout.release_memory",
+            True,
+            "only for engines rlsys launches on the training devices (cluster.colocate: true, no rollout.urls)",
+        )
+    if cfg.rollout.sync.delta:
+        _need(
+            cfg.rollout.engine == "cpu",
+            "rollout.sync.delta",
+            True,
+            "applies changed elements in place, which only rlsys's CPU engine does (SGLang's loaders take whole "
+            "tensors): set rollout.engine: cpu or rollout.sync.delta: false",
+        )
+        _need(
+            not releases_engine_memory(cfg),
+            "rollout.sync.delta",
+            True,
+            "engines that release their weights (rollout.release_memory) get them back whole on every sync: "
+            "set rollout.release_memory: false or rollout.sync.delta: false",
         )

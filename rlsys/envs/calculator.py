@@ -103,9 +103,10 @@ class SyntheticCalculatorEnv(CalculatorEnv):
 
     Its shaping is dense, as the synthetic task's reward is and for the same reason (a random model learns
     it from scratch): the first turn that opens a call earns ``call_reward`` times the partial credit of the
-    call's text against the question's expression (``synthetic_reward``), halved if the call is not closed.
-    A uniformly random policy almost never writes a whole well-formed call, so a reward for whole calls
-    alone gives it nothing to climb (measured: no well-formed call in 200 steps)."""
+    call's text against the question's expression (``synthetic_reward``), half of it if the call is not
+    closed. A uniformly random policy almost never writes a whole well-formed call, so a reward for whole
+    calls alone gives it nothing to climb (measured: no well-formed call in 200 steps), and neither did a
+    quarter of the credit for calls the calculator refuses (none in 200 steps)."""
 
     def __init__(self, call_reward: float = 0.0):
         super().__init__(tools=("calculator",))

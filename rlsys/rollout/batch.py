@@ -105,7 +105,8 @@ class EngineRollout:
         overlong = self.filters.overlong
         if overlong.enabled:
             lengths = torch.tensor([len(s.output_ids) for s in samples])
-            max_new = self.sampling.max_new_tokens
+            # a trajectory's budget is all its turns: the penalty ramps before that, not before one turn's end
+            max_new = self.driver.cfg.max_total_tokens if self.driver is not None else self.sampling.max_new_tokens
             scores = scores + overlong_penalty(lengths, max_new, overlong.buffer_length, overlong.penalty_factor)
         return RolloutBatch(samples, texts, scores, [s.prompt_index for s in samples], metrics)
 

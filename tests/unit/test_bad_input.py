@@ -125,6 +125,28 @@ CASES = [
     ("hf_config and path", None, lambda f: [f"model.path={f['model']}"], ["exactly one of model.path"]),
     # rewards
     ("reward unknown", None, lambda f: ["reward.name=nosuch"], ["reward.name", "choose one of"]),
+    (
+        "environment unknown",
+        None,
+        lambda f: ["rollout.multi_turn.env=nosuch", "rollout.multi_turn.max_total_tokens=64"],
+        ["rollout.multi_turn.env", "choose"],
+    ),
+    (
+        "environment refuses its arguments",
+        None,
+        lambda f: [
+            "rollout.multi_turn.env=calculator",
+            "rollout.multi_turn.env_kwargs={tools: [rm]}",
+            "rollout.multi_turn.max_total_tokens=64",
+        ],
+        ["rollout.multi_turn.env_kwargs", "unknown calculator tools"],
+    ),
+    (
+        "multi-turn without turns",
+        None,
+        lambda f: ["rollout.multi_turn.env=calculator", "rollout.multi_turn.max_turns=0"],
+        ["rollout.multi_turn.max_turns", ">= 1"],
+    ),
     ("reward module missing", None, lambda f: ["reward.name=nosuchpkg.mod:fn"], ["reward.name", "nosuchpkg"]),
     ("reward function missing", None, lambda f: ["reward.name=os:nosuchfn"], ["reward.name", "nosuchfn"]),
     ("reward timeout", None, lambda f: ["reward.timeout_s=0"], ["reward.timeout_s"]),
