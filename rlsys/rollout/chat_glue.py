@@ -7,9 +7,12 @@ these glue tokens are tokenized; the model's own tokens are kept exactly as samp
 scores the very ids the engine produced (re-tokenizing the whole conversation would drift: a BPE merge
 across a turn boundary changes the ids, and with them the log-probs).
 
-The glue is the difference of two renderings of a fixed conversation, with and without the tool
-messages, so it does not depend on what the model wrote. A template whose rendering of the longer
-conversation does not extend the shorter one cannot be cut this way and is refused with the reason.
+The tool messages and the next generation prompt are the difference of two renderings of a fixed
+conversation, a user turn with and without the tool messages after it, so they do not depend on what the
+model wrote, nor on how a template renders an assistant turn by its position (Qwen3's adds an empty
+``<think>`` block to the last assistant turn only). What closes an assistant turn is what a rendered
+assistant message has after its content. A template whose rendering with the tool messages does not
+extend the one without cannot be cut this way and is refused with the reason.
 """
 
 from __future__ import annotations
@@ -24,15 +27,15 @@ class ChatGlue:
         self.tokenizer = tokenizer
         self.templated = templated and bool(getattr(tokenizer, "chat_template", None))
         if self.templated:
-            self.base = self._render([], generation_prompt=False)
-            at = self.base.rfind(_ASSISTANT)
+            turn = self._render([{"role": "assistant", "content": _ASSISTANT}], generation_prompt=False)
+            at = turn.rfind(_ASSISTANT)
             if at < 0:
                 raise ConfigError("data.chat_template", "the chat template drops the assistant's message content")
-            self.turn_end = self.base[at + len(_ASSISTANT) :]  # e.g. "<|im_end|>\n"
+            self.turn_end = turn[at + len(_ASSISTANT) :]  # e.g. "<|im_end|>\n"
+            self.base = self._render([], generation_prompt=False)
 
-    def _render(self, tools: list[str], generation_prompt: bool) -> str:
-        messages = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}]
-        messages += [{"role": "tool", "content": t} for t in tools]
+    def _render(self, after_user: list[dict], generation_prompt: bool) -> str:
+        messages = [{"role": "user", "content": _USER}, *after_user]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
     def text(self, turn_text: str, observations: list[str]) -> str:
@@ -40,12 +43,13 @@ class ChatGlue:
         if not self.templated:
             body = "\n".join(observations)
             return f"\n<tool_response>\n{body}\n</tool_response>\n"
-        full = self._render(observations, generation_prompt=True)
+        full = self._render([{"role": "tool", "content": t} for t in observations], generation_prompt=True)
         if not full.startswith(self.base):
             raise ConfigError(
                 "rollout.multi_turn",
-                "the chat template renders earlier turns differently once a tool message follows, so the turns "
-                "cannot be appended token for token; use data.chat_template: plain or another template",
+                "the chat template renders the conversation before a tool message differently once the tool "
+                "message follows, so the turns cannot be appended token for token; use data.chat_template: "
+                "plain or another template",
             )
         done = _overlap(turn_text, self.turn_end)  # the part of the turn's end the model generated itself
         return self.turn_end[done:] + full[len(self.base) :]

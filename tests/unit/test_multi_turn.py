@@ -336,12 +336,23 @@ def test_templates_that_ignore_tools_get_them_in_a_system_turn():
 
 def test_chat_glue_refuses_a_template_that_rewrites_history():
     tok = byte_tokenizer("qwen")
-    tok.chat_template = (
-        "{% for m in messages %}{% if m.role == 'assistant' and messages[-1].role == 'tool' %}X{% else %}"
-        "{{ m.content }}{% endif %}{% endfor %}"
-    )
-    with pytest.raises(ConfigError, match="renders earlier turns differently"):
+    tok.chat_template = "{{ messages | length }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    with pytest.raises(ConfigError, match="renders the conversation before a tool message differently"):
         ChatGlue(tok, True).text("ASSISTANT", ["obs"])
+
+
+def test_chat_glue_with_a_template_that_renders_the_last_assistant_turn_apart():
+    """Qwen3's template gives only the last assistant message an empty <think> block."""
+    tok = byte_tokenizer("qwen")
+    tok.chat_template = QWEN_LIKE.replace(
+        "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}",
+        "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n{% if loop.last %}<think>\n\n</think>\n\n{% endif %}"
+        "{{ m.content }}<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}",
+    )
+    glue = ChatGlue(tok, True).text('<tool_call>{"name": "f"}</tool_call>', ["42"])
+    assert (
+        glue == "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_loss_masks_only_for_multi_turn_batches():
