@@ -43,3 +43,40 @@ def byte_tokenizer(kind: str):
     fast.add_special_tokens({"eos_token": eos, "additional_special_tokens": SPECIALS[kind]})
     fast.chat_template = QWEN_LIKE if kind == "qwen" else LLAMA_LIKE
     return fast
+
+
+TEMPLATE = (  # user turns open with w1, assistant turns with w3 (the generation prompt), tool output in w10 .. w11
+    "{% for m in messages %}{% if m.role == 'tool' %}w10 {{ m.content }} w11 "
+    "{% elif m.role == 'assistant' %}w3 {{ m.content }}<|end|> {% else %}w1 {{ m.content }}<|end|> {% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}w3 {% endif %}"
+)
+
+
+def word_chat_tokenizer():
+    """Words w0..w999 and <|end|> (EOS), one per id of the tiny checkpoints' 1001: any sampled ids decode to
+    text that encodes back to them. User turns open with w1, assistant turns with w3, tool output is
+    wrapped in w10 .. w11."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(1000)} | {"<|end|>": 1000}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.add_special_tokens({"eos_token": "<|end|>"})
+    fast.chat_template = TEMPLATE
+    return fast
+
+
+def two_turn_agent(base_url: str, record: dict) -> str:
+    """An agent as users write them, with the official client: ask, give the model a tool's answer, ask
+    again; the second reply is the final answer."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="unused")
+    messages = [{"role": "user", "content": record["prompt"]}]
+    first = client.chat.completions.create(model="rlsys", messages=messages, max_tokens=4)
+    messages.append({"role": "assistant", "content": first.choices[0].message.content})
+    messages.append({"role": "tool", "content": "w4 w5"})
+    second = client.chat.completions.create(model="rlsys", messages=messages, max_tokens=4)
+    return second.choices[0].message.content

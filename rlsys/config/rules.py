@@ -89,9 +89,11 @@ def _check_rollout(r: RolloutConfig) -> None:
     _need(r.sync.bucket_mb > 0, "rollout.sync.bucket_mb", r.sync.bucket_mb, "must be > 0")
     _need(r.sync.timeout_s > 0, "rollout.sync.timeout_s", r.sync.timeout_s, "must be > 0")
     m = r.multi_turn
-    if m.env is not None:
+    if m.env or m.agent:
+        _need(not (m.env and m.agent), "rollout.multi_turn.agent", m.agent, "set either env or agent, not both")
         _positive(m, "rollout.multi_turn", "max_turns", "max_total_tokens", "concurrency")
         _need(m.tool_timeout_s > 0, "rollout.multi_turn.tool_timeout_s", m.tool_timeout_s, "must be > 0")
+        _need(m.agent_timeout_s > 0, "rollout.multi_turn.agent_timeout_s", m.agent_timeout_s, "must be > 0")
 
 
 def _check_algorithm(a: AlgorithmConfig) -> None:

@@ -129,6 +129,10 @@ class MultiTurnConfig:
     the reward function (reward.*) on the final answer plus the environment's step rewards."""
 
     env: str | None = None  # registry name (calculator, search, synthetic_calculator) or 'pkg.mod:Class'; None: off
+    # or the user's agent code, 'pkg.mod:fn' called as fn(base_url, record) with an OpenAI base URL per
+    # trajectory (rlsys.rollout.agent); it returns the final answer's text or None
+    agent: str | None = None
+    agent_timeout_s: float = 600.0  # per step: an agent still running then contributes no sample
     env_kwargs: dict[str, Any] = field(default_factory=dict)  # arguments of the environment's constructor
     tool_format: Literal["auto", "hermes", "llama3", "tags"] = "auto"  # auto: from the tokenizer's chat template
     max_turns: int = 4  # assistant turns per trajectory (the last one is never followed by a tool call)
@@ -409,7 +413,12 @@ def response_tokens(cfg) -> int:
     """The longest response a sample can have: every turn of a multi-turn trajectory with its tool output,
     else one generation's ``max_new_tokens``."""
     r = cfg.rollout
-    return r.multi_turn.max_total_tokens if r.multi_turn.env else r.sampling.max_new_tokens
+    return r.multi_turn.max_total_tokens if multi_turn(cfg) else r.sampling.max_new_tokens
+
+
+def multi_turn(cfg) -> bool:
+    """Whether samples are multi-turn trajectories (an environment or an agent)."""
+    return bool(cfg.rollout.multi_turn.env or cfg.rollout.multi_turn.agent)
 
 
 @dataclass

@@ -32,9 +32,11 @@ from rlsys.controller.weights import EngineSync, NoSync
 from rlsys.data.prompts import PromptSource
 from rlsys.envs.registry import env_tools
 from rlsys.plan import enabled_roles, sync_load_format, sync_transports
+from rlsys.rollout.agent import AgentDriver, agent_function
 from rlsys.rollout.batch import EngineRollout
 from rlsys.rollout.launch import start_engines
 from rlsys.rollout.multi_turn import MultiTurnDriver
+from rlsys.rollout.openai_server import ChatServer
 from rlsys.rollout.pool import EnginePool
 
 if TYPE_CHECKING:
@@ -177,10 +179,15 @@ def _engine_source(cfg: RunConfig, mode: str, model_dir: str, placement, prompts
         memory_saver=releases_engine_memory(cfg),
     )
     closers.append((engines.close, engines.close))
-    driver = None
-    if cfg.rollout.multi_turn.env:
-        templated = cfg.data.chat_template == "tokenizer"
-        driver = MultiTurnDriver(engines, prompts.tokenizer, cfg.rollout.multi_turn, templated)
+    driver, turns = None, cfg.rollout.multi_turn
+    if turns.env:
+        driver = MultiTurnDriver(engines, prompts.tokenizer, turns, cfg.data.chat_template == "tokenizer")
+    elif turns.agent:
+        s = cfg.rollout.sampling
+        fixed = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "max_new_tokens": s.max_new_tokens}
+        server = ChatServer(engines, prompts.tokenizer, fmt=turns.tool_format, sampling=fixed)
+        driver = AgentDriver(server, agent_function(turns.agent), turns)
+    if driver is not None:
         closers.append((driver.close, driver.close))
     source = EngineRollout(
         engines, prompts, rewards, cfg.rollout.sampling, cfg.algorithm.filters, cfg.trainer.seed, driver

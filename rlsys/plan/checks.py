@@ -218,7 +218,7 @@ def _check_rollout(cfg: RunConfig, arch: ModelArch) -> None:
     if seq > arch.max_position_embeddings:
         key, value = (
             ("rollout.multi_turn.max_total_tokens", r.multi_turn.max_total_tokens)
-            if r.multi_turn.env
+            if r.multi_turn.env or r.multi_turn.agent
             else ("rollout.sampling.max_new_tokens", r.sampling.max_new_tokens)
         )
         raise ConfigError(

@@ -112,7 +112,11 @@ class EngineRollout:
 
     def _score(self, prompts, samples: list[Sample]) -> tuple[list[str], torch.Tensor, dict]:
         # a multi-turn sample's final answer is its last turn: tool calls and their output are not scored
-        texts = [self.prompts.tokenizer.decode(final_answer_ids(s), skip_special_tokens=True) for s in samples]
+        texts = [
+            s.text if s.loss_mask is not None and s.text is not None  # an agent's own final answer
+            else self.prompts.tokenizer.decode(final_answer_ids(s), skip_special_tokens=True)
+            for s in samples
+        ]  # fmt: skip
         answers = [prompts[s.prompt_index].answer for s in samples]
         questions = [prompts[s.prompt_index].text for s in samples]
         result = self.rewards.score(texts, answers, questions)

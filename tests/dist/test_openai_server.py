@@ -12,7 +12,7 @@ import json
 
 import pytest
 import requests
-from chat_tokenizers import byte_tokenizer
+from chat_tokenizers import byte_tokenizer, word_chat_tokenizer
 from tiny_models import make_tiny_hf_checkpoint
 
 from rlsys.rollout.launch import launch_cpu_engine
@@ -21,26 +21,6 @@ from rlsys.rollout.pool import EnginePool
 
 openai = pytest.importorskip("openai", reason="the openai client is a dev extra (pip install -e '.[dev]')")
 pytestmark = pytest.mark.dist
-
-
-TEMPLATE = (  # user turns open with w1, assistant turns with w3 (the generation prompt), tool output in w10 .. w11
-    "{% for m in messages %}{% if m.role == 'tool' %}w10 {{ m.content }} w11 "
-    "{% elif m.role == 'assistant' %}w3 {{ m.content }}<|end|> {% else %}w1 {{ m.content }}<|end|> {% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}w3 {% endif %}"
-)
-
-
-def word_chat_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(1000)} | {"<|end|>": 1000}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
-    fast.add_special_tokens({"eos_token": "<|end|>"})
-    fast.chat_template = TEMPLATE
-    return fast
 
 
 @pytest.fixture(scope="module")
