@@ -134,14 +134,16 @@ class EngineRollout:
             return {}
         params = sampling_params_from_config(self.sampling, self.stop_ids, greedy=True)
         samples, turn_metrics = self._generate(prompts, params)
-        _, scores, _ = self._score(prompts, samples)
+        _, scores, scored = self._score(prompts, samples)
         metrics = {
             "eval/reward_mean": float(scores.mean()),
             "eval/solved": solved_share(scores),
             "eval/length_mean": float(sum(len(s.output_ids) for s in samples) / len(samples)),
         }
-        if "rollout/tool_use" in turn_metrics:
-            metrics["eval/tool_use"] = turn_metrics["rollout/tool_use"]
+        if self.driver is not None:  # the final answer's reward, as in training; the environment's apart
+            metrics["eval/with_env_mean"] = metrics["eval/reward_mean"]
+            metrics["eval/reward_mean"], metrics["eval/solved"] = scored["reward/mean"], scored["reward/solved"]
+            metrics["eval/tool_use"] = turn_metrics.get("rollout/tool_use", 0.0)
         return metrics
 
     def settle(self) -> None:
