@@ -54,6 +54,26 @@ def check_fields(cfg: RunConfig) -> None:
     _positive(cfg.cluster, "cluster", "nodes", "devices_per_node")
     _positive(cfg.logging, "logging", "log_every")
     _check_cross_section(cfg)
+    _check_router_replay(cfg)
+
+
+def _check_router_replay(cfg: RunConfig) -> None:
+    """MoE routing replay (``rlsys.worker.router_replay``); the model must have experts (``plan.checks``)."""
+    mode = cfg.algorithm.router_replay
+    if mode == "none":
+        return
+    key = "algorithm.router_replay"
+    _need(cfg.actor.recompute != "full", "actor.recompute", "full", f"{key}={mode} replays the routers' first forward; "
+          "full recompute runs them again in backward: use recompute none or selective")  # fmt: skip
+    _need(cfg.actor.parallel.cp == 1, "actor.parallel.cp", cfg.actor.parallel.cp, f"{key}={mode} needs cp=1 for now")
+    if mode == "R3":
+        _need(
+            not cfg.rollout.multi_turn.agent,
+            "rollout.multi_turn.agent",
+            cfg.rollout.multi_turn.agent,
+            "R3 replays the engine's routes, which the OpenAI endpoint does not record: use an environment "
+            "(rollout.multi_turn.env) or algorithm.router_replay: R2",
+        )
 
 
 def _check_role(role: RoleConfig, name: str) -> None:

@@ -14,6 +14,7 @@ Recompute = Literal["none", "selective", "full"]
 AlgorithmName = Literal["grpo", "ppo", "dapo", "gspo", "reinforce_pp", "rloo"]
 KLEstimator = Literal["k1", "k2", "k3", "k3+"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+RouterReplayMode = Literal["none", "R2", "R3"]
 
 # Used when neither model.path nor model.hf_config is given, the model-side twin
 # of data.path=None (the synthetic task): a run with no config is a smoke test.
@@ -269,6 +270,9 @@ class AlgorithmConfig:
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     filters: FiltersConfig = field(default_factory=FiltersConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    # MoE routing replay (rlsys.worker.router_replay): R2 replays the old-policy pass's routing in the update,
+    # R3 the engine's routing at rollout in both trainer passes
+    router_replay: RouterReplayMode = "none"
 
 
 @dataclass(frozen=True)
@@ -280,10 +284,11 @@ class PolicyObjective:
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     kl: KLConfig = field(default_factory=KLConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    router_replay: RouterReplayMode = "none"
 
     @classmethod
     def of(cls, algo: AlgorithmConfig) -> PolicyObjective:
-        return cls(algo.name, algo.loss, algo.kl, algo.schedule)
+        return cls(algo.name, algo.loss, algo.kl, algo.schedule, algo.router_replay)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from rlsys.controller.replay import rollout_dir, save_rollout
 from rlsys.controller.run import Run, build_run
 from rlsys.rollout.batch import RolloutBatch, loss_masks, response_tensors
 from rlsys.worker.batch import TrainBatch, pad_rows, unpad_rows
+from rlsys.worker.router_replay import engine_routing
 
 
 def train(cfg: RunConfig, use_ray: bool = True, mode: str = "full", replay_dir: str | None = None) -> list[dict]:
@@ -82,6 +83,8 @@ def learn(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
     batch.set("rollout_logp", engine_logp)
     if (masks := loss_masks(rolled.samples)) is not None:  # multi-turn: tool output and glue are not trained
         batch.set("loss_mask", masks)
+    if algo.router_replay == "R3":  # MoE: both trainer passes route as the engine did
+        batch.set_routing(engine_routing(rolled.samples, *run.moe_shape))
     lengths, mask = batch.response_lengths, batch.response_mask()
     # one on-policy update whose forward gives the old log-probs: no separate pass before it
     in_update = old_logprobs_in_update(algo, ref is not None, n)
@@ -91,6 +94,8 @@ def learn(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
             if not in_update:
                 old = actor.compute_logprobs(batch, with_entropy=True)
                 batch.set("old_logp", old["logp"])
+                if "routing" in old:  # R2: the update replays the routing these log-probs came from
+                    batch.set_routing(old["routing"])
             ref_logp = values = None
             if ref is not None:
                 with turns.on_device(ref):

@@ -30,7 +30,7 @@ def save_rollout(directory: str, step: int, batch: RolloutBatch) -> str:
     path = os.path.join(directory, f"step_{step:06d}.pt")
     record = {
         "step": step,
-        "samples": [dataclasses.asdict(s) for s in batch.samples],
+        "samples": [_storable(dataclasses.asdict(s)) for s in batch.samples],
         "texts": list(batch.texts),
         "scores": batch.scores.to(torch.float32),
         "group_ids": [int(g) for g in batch.group_ids],
@@ -58,11 +58,22 @@ def load_rollout(path: str) -> RolloutBatch:
     """The batch ``save_rollout`` wrote."""
     try:
         record = torch.load(path, weights_only=True)
-        samples = [Sample(**s) for s in record["samples"]]
+        samples = [Sample(**_arrays(s)) for s in record["samples"]]
         return RolloutBatch(samples, record["texts"], record["scores"], record["group_ids"], record["reward_metrics"])
     except (OSError, RuntimeError, KeyError, TypeError, EOFError) as e:
         hint = "regenerate it with --rollout-only"
         raise UserError(f"--train-only: cannot read rollout batch '{path}' ({e}); {hint}") from e
+
+
+_ARRAYS = ("routed_experts", "routed_expert_weights")  # numpy in a Sample; tensors in the file (weights_only)
+
+
+def _storable(sample: dict) -> dict:
+    return {k: torch.from_numpy(v) if k in _ARRAYS and v is not None else v for k, v in sample.items()}
+
+
+def _arrays(sample: dict) -> dict:
+    return {k: v.numpy() if k in _ARRAYS and v is not None else v for k, v in sample.items()}
 
 
 class Replay:

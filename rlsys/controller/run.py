@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rlsys.algorithms import AdaptiveKLController, FixedKLController
+from rlsys.architectures.hf_config import read_arch
 from rlsys.config import RunConfig, config_to_dict, releases_engine_memory
 from rlsys.controller.ahead import AheadRollout, pending_dir
 from rlsys.controller.checkpoints import Checkpoints, NoCheckpoints
@@ -62,6 +63,7 @@ class Run:
     last_step: int
     closers: list = field(default_factory=list)  # (on success, on failure or None), in building order
     bad_steps: list = field(default_factory=list)  # the current run of steps with skipped updates
+    moe_shape: tuple[int, int] | None = None  # (layers, top_k) of the engines' routed experts (router_replay R3)
 
     def steps(self) -> range:
         return range(self.start + 1, self.last_step + 1)
@@ -158,9 +160,10 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
         logger.resume(start)
     progress = ProgressReporter(last_step, out_dir, cfg.logging, start_step=start)
     closers.append((progress.close, progress.close))
+    arch = read_arch(model_dir) if cfg.algorithm.router_replay == "R3" else None
     return Run(
         cfg, prompts, source, roles, turns, weights, checkpoints, kl, logger, progress, start, last_step,
-        closers,
+        closers, moe_shape=(arch.num_layers, arch.moe_top_k) if arch else None,
     )  # fmt: skip
 
 
@@ -177,8 +180,10 @@ def _engine_source(cfg: RunConfig, mode: str, model_dir: str, placement, prompts
         placement=placement,
         device=cfg.cluster.device,
         memory_saver=releases_engine_memory(cfg),
+        routed_experts=cfg.algorithm.router_replay == "R3",
     )
     closers.append((engines.close, engines.close))
+    engines.return_routed_experts = cfg.algorithm.router_replay == "R3"  # every generate asks for the routes
     driver, turns = None, cfg.rollout.multi_turn
     if turns.env:
         driver = MultiTurnDriver(engines, prompts.tokenizer, turns, cfg.data.chat_template == "tokenizer")

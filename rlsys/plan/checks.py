@@ -210,6 +210,11 @@ def _check_batch_split(name: str, dp: int, cfg: RunConfig) -> None:
 
 def _check_rollout(cfg: RunConfig, arch: ModelArch) -> None:
     r = cfg.rollout
+    if cfg.algorithm.router_replay != "none" and not arch.num_experts:
+        raise ConfigError(
+            "algorithm.router_replay",
+            f"{cfg.algorithm.router_replay} replays MoE routing; {arch.model_type} is a dense model: set it to none",
+        )
     if arch.num_attention_heads % r.tp:
         raise ConfigError("rollout.tp", f"{r.tp} does not divide num_attention_heads={arch.num_attention_heads}")
     if not r.urls and total_devices(cfg) % r.tp:

@@ -196,6 +196,7 @@ class EngineClient:
         *,
         rids: Sequence[str] | None = None,
         return_logprob: bool = True,
+        return_routed_experts: bool = False,
         timeout_s: float | None = None,
     ) -> list[Sample]:
         """Generate for a batch of prompts (token id lists, or strings) in one request.
@@ -211,6 +212,7 @@ class EngineClient:
             sampling=sampling,
             rid=None if rids is None else list(rids),
             return_logprob=return_logprob,
+            return_routed_experts=return_routed_experts,
         )
         timeout = self.generate_timeout_s if timeout_s is None else timeout_s
         body = self.request("POST", protocol.GENERATE, json=payload, timeout_s=timeout)

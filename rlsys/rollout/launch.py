@@ -340,13 +340,15 @@ def _engine_command(
     base_gpu_id: int = 0,
     host: str = "127.0.0.1",
     port: int | None = None,
+    routed: bool = False,
 ) -> list:
     """Engine ``index``'s command line; evaluated on the engine's node (``EngineHost``) when placed."""
     port = free_port(host) if port is None else port
     key = api_key if host not in LOOPBACK else None
+    routed_flag = ["--enable-return-routed-experts"] if routed else []
     if cfg.engine == "cpu":
         peers = weight_peers(cfg.sync.master_address)
-        return cpu_engine_command(model_dir, seed + index, host, port, key, cfg.sync.bucket_mb, peers)
+        return cpu_engine_command(model_dir, seed + index, host, port, key, cfg.sync.bucket_mb, peers) + routed_flag
     env = dict(cfg.sglang_env)
     if device == "cpu":
         binding = core_binding(index, cfg.num_engines, cfg.tp, sorted(os.sched_getaffinity(0)))
@@ -358,7 +360,7 @@ def _engine_command(
         cfg.mem_fraction,
         dtype,
         seed + index,
-        cfg.sglang_args,
+        [*routed_flag, *cfg.sglang_args],
         python=cfg.sglang_python,
         host=host,
         base_gpu_id=base_gpu_id,
@@ -378,11 +380,13 @@ def start_engines(
     placement: Placement | None = None,
     device: str = "cuda",
     memory_saver: bool = False,
+    routed_experts: bool = False,
 ) -> EnginePool:
     """Attach to ``rollout.urls``, or launch ``num_engines`` engines serving ``model_dir``: on the devices
     ``placement`` gives them (each through an ``EngineHost`` actor on its node), or without a placement as
     local processes on the first devices of this machine. ``memory_saver``: SGLang's
-    ``--enable-memory-saver``, for engines that release their memory between rollouts. Engine ``i`` is
+    ``--enable-memory-saver``, for engines that release their memory between rollouts. ``routed_experts``:
+    ``--enable-return-routed-experts`` (MoE routing replay R3). Engine ``i`` is
     seeded ``seed + i``: engines with one seed would draw the same samples for the same batch."""
     os.makedirs(log_dir, exist_ok=True)
     if cfg.urls:
@@ -395,7 +399,9 @@ def start_engines(
     dtype = engine_dtype(cfg, model_dtype, device)
     api_key = cfg.api_key or secrets.token_hex(16)
     kind = "sglang" if cfg.engine == "sglang" else "cpu_engine"
-    build = functools.partial(_engine_command, memory_saver, cfg, model_dir, dtype, seed, device, api_key=api_key)
+    build = functools.partial(
+        _engine_command, memory_saver, cfg, model_dir, dtype, seed, device, api_key=api_key, routed=routed_experts
+    )
     servers = []
     try:
         for i in range(cfg.num_engines):

@@ -18,6 +18,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from rlsys.envs.base import Environment, StepResult
 from rlsys.envs.registry import make_env
 from rlsys.envs.tool_calls import tool_format
@@ -39,8 +41,13 @@ class Trajectory:
     info: dict = field(default_factory=dict)  # the environment's numbers, summed over its steps
     finish_reason: str | None = None
     done: bool = False
+    # MoE routes of every position so far (flat, as in Sample); a position keeps the turn that first ran it
+    routed: np.ndarray | None = None
+    routed_weights: np.ndarray | None = None
 
     def add_turn(self, s: Sample) -> None:
+        self.routed = _extend(self.routed, s.routed_experts)
+        self.routed_weights = _extend(self.routed_weights, s.routed_expert_weights)
         start = len(self.ids)
         self.ids += s.output_ids
         self.mask += [1] * len(s.output_ids)
@@ -60,7 +67,15 @@ class Trajectory:
         return Sample(
             self.prompt_index, self.prompt_ids, self.ids, self.logprobs, self.finish_reason,
             weight_version=version, weight_version_spans=self.spans, loss_mask=self.mask, env_reward=self.env_reward,
+            routed_experts=self.routed, routed_expert_weights=self.routed_weights,
         )  # fmt: skip
+
+
+def _extend(known: np.ndarray | None, record: np.ndarray | None) -> np.ndarray | None:
+    """A turn's routes (its whole context, flat) after the positions earlier turns recorded."""
+    if record is None or known is None:
+        return record if known is None else known
+    return np.concatenate([known, record[known.size :]])
 
 
 def final_answer_ids(sample: Sample) -> list[int]:

@@ -79,6 +79,7 @@ class EnginePool:
         self._suspect = False  # a request failed since the last check_and_restart
         self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="engine-pool")
         self._closed = False
+        self.return_routed_experts = False  # MoE routing replay R3: every generate asks for the routes
         atexit.register(self.close)
 
     # ------------------------------------------------------------ construction
@@ -164,7 +165,13 @@ class EnginePool:
         for attempt in range(self.max_retries + 1):
             futures = {}
             for c, target in zip(pending, self._targets(len(pending))):
-                future = self._executor.submit(target.generate, chunks[c][1], params[c], timeout_s=timeout_s)
+                future = self._executor.submit(
+                    target.generate,
+                    chunks[c][1],
+                    params[c],
+                    return_routed_experts=self.return_routed_experts,
+                    timeout_s=timeout_s,
+                )
                 futures[future] = (c, target)
             failed: list[EngineError] = []
             pending = []

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
@@ -156,6 +157,7 @@ def generate_payload(
     sampling: dict | None = None,
     rid: str | Sequence[str] | None = None,
     return_logprob: bool = True,
+    return_routed_experts: bool = False,
 ) -> dict:
     """``GenerateReqInput`` for ``/generate``: one prompt, or a batch as a list of prompts.
 
@@ -163,6 +165,8 @@ def generate_payload(
     unique among in-flight requests of the engine (one per prompt for a batch); None lets SGLang pick.
     With ``return_logprob`` the reply carries ``meta_info.output_token_logprobs``: the log-probability
     of each sampled token under the temperature-scaled distribution (before top-p/top-k truncation).
+    ``return_routed_experts`` (MoE; SGLang launched with ``--enable-return-routed-experts``) asks for
+    ``meta_info.routed_experts``.
     """
     if (input_ids is None) == (text is None):
         raise ValueError("give exactly one of input_ids and text")
@@ -185,6 +189,8 @@ def generate_payload(
     if sampling is not None:
         payload["sampling_params"] = dict(sampling)
     payload["return_logprob"] = bool(return_logprob)
+    if return_routed_experts:
+        payload["return_routed_experts"] = True
     payload["stream"] = False
     if rid is not None:
         if batch != (not isinstance(rid, str)) or (batch and len(rid) != size):
@@ -213,6 +219,10 @@ class Sample:
     # multi-turn (rlsys.rollout.multi_turn): 1 on the model's tokens, 0 on tool output and template glue
     loss_mask: list[int] | None = None
     env_reward: float = 0.0  # the environment's step rewards, added to the final answer's score
+    # MoE (return_routed_experts): the experts of positions 0 .. len(prompt + output) - 2, flat int32 in SGLang's
+    # [positions, num_hidden_layers, top_k] order; the CPU engine adds their weights (float32, same order)
+    routed_experts: np.ndarray | None = None
+    routed_expert_weights: np.ndarray | None = None
 
 
 def parse_generate_response(
@@ -268,6 +278,14 @@ def _parse_one(item: dict, i: int) -> Sample:
     spans = [(str(s["version"]), int(s["start"]), int(s["end"])) for s in meta.get("weight_versions") or []]
     version = meta.get("weight_version")
     prompt = item.get("prompt_token_ids")
+    routed = {
+        name: _decode_array(meta[key], dtype, i, key)
+        for name, key, dtype in [
+            ("routed_experts", "routed_experts", np.int32),
+            ("routed_expert_weights", "routed_expert_weights", np.float32),
+        ]
+        if meta.get(key) is not None
+    }
     return Sample(
         prompt_index=0,
         prompt_ids=[int(t) for t in prompt] if prompt is not None else None,
@@ -279,7 +297,15 @@ def _parse_one(item: dict, i: int) -> Sample:
         weight_version_spans=spans,
         finish_message=finish.get("message") if isinstance(finish, dict) else None,
         rid=meta.get("id"),
+        **routed,
     )
+
+
+def _decode_array(value: Any, dtype, i: int, key: str) -> np.ndarray:
+    try:
+        return np.frombuffer(base64.b64decode(value, validate=True), dtype=dtype).copy()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"generate output {i}: meta_info.{key} is not base64 of {np.dtype(dtype).name}: {e}") from e
 
 
 # ---------------------------------------------------------------- weight updates

@@ -43,6 +43,7 @@ class PolicyWorker:
         self.vocab_size = engine.arch.vocab_size
         self._own_old, self._seen, self._lengths = False, [], []  # see update
         self._updates = 0  # this process's update calls (rlsys.faults)
+        self._replay_mode = objective.router_replay if objective is not None else "none"
 
     # -- shared pieces ------------------------------------------------------------------------
 
@@ -65,19 +66,25 @@ class PolicyWorker:
 
     # -- forward only -------------------------------------------------------------------------
 
-    def compute_logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> dict[str, list[torch.Tensor]] | None:
-        """``{"logp": [...], "entropy": [...]}`` per sample in batch order, on the last stage (else ``None``)."""
+    def compute_logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> dict[str, list] | None:
+        """``{"logp": [...], "entropy": [...]}`` per sample in batch order, on the last stage (else ``None``).
+
+        MoE routing replay: a batch with a routing record (R3) is scored on it; an actor with R2 records its
+        own routing here and returns it as ``"routing"`` (``Routing`` per sample) for the update to replay."""
         groups, fixed = self.engine.plan_microbatches(batch, "actor.batch.max_tokens_per_microbatch")
         inputs = self.engine.inputs(batch, groups, fixed)
+        record = self.engine.replay is not None and batch.routing is None and self._replay_mode == "R2"
 
         def collect(output, inp: ModelInput):
             logp, ent = self._logprobs(output, inp, with_entropy)
             return inp.indices, logp.cpu(), None if ent is None else ent.cpu()
 
-        results = self.engine.run(inputs, collect_fn=collect)
+        results = self.engine.run(inputs, collect_fn=collect, record_routing=record)
+        routing = self.engine.replay.collect(inputs, batch.lengths) if record else None
         if not self.topo.is_last_stage:
             return None
-        return _per_sample(results, batch.response_lengths, with_entropy)
+        out = _per_sample(results, batch.response_lengths, with_entropy)
+        return out if routing is None else {**out, "routing": routing}
 
     # -- update -------------------------------------------------------------------------------
 
@@ -204,5 +211,6 @@ def build_policy_worker(
         total_steps=total_steps,
         hf_dir=hf_dir,
         load=lambda chunks: load_hf_weights(chunks, arch, topo, hf_dir),
+        router_replay=objective is not None and objective.router_replay != "none",
     )
     return PolicyWorker(engine, objective, temperature)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlsys.worker.router_replay import Routing
+
 # Every per-response-token field a batch carries between the controller's stages and the ranks' losses.
 FIELDS = {
     "rollout_logp": "log-probs the engine sampled with (stage 2)",
@@ -31,6 +33,8 @@ class TrainBatch:
     sequences: list[torch.Tensor]  # 1-D int64 token ids, prompt followed by response
     prompt_lengths: list[int]
     fields: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # name -> per-sample [response_len]
+    # MoE routing replay (rlsys.worker.router_replay): per sample, over the whole sequence
+    routing: list[Routing] | None = None
 
     def __post_init__(self) -> None:
         if len(self.sequences) != len(self.prompt_lengths):
@@ -43,6 +47,17 @@ class TrainBatch:
                 )
         for name, values in self.fields.items():
             self._check_field(name, values)
+        if self.routing is not None:
+            self.set_routing(self.routing)
+
+    def set_routing(self, routing: Sequence[Routing]) -> None:
+        routing = list(routing)
+        if len(routing) != len(self):
+            raise ValueError(f"{len(routing)} routing records for {len(self)} samples")
+        first = routing[0].ids.shape if routing else None
+        for i, (r, n) in enumerate(zip(routing, self.lengths)):
+            r.check(n, first[1], first[2], where=f"sample {i}: ")
+        self.routing = routing
 
     def _check_field(self, name: str, values: Sequence[torch.Tensor]) -> None:
         if name not in FIELDS:
@@ -80,6 +95,7 @@ class TrainBatch:
             [self.sequences[i] for i in indices],
             [self.prompt_lengths[i] for i in indices],
             {k: [v[i] for i in indices] for k, v in self.fields.items()},
+            None if self.routing is None else [self.routing[i] for i in indices],
         )
 
     def padded(self, name: str, indices: Sequence[int] | None = None, fill: float = 0.0) -> torch.Tensor:

@@ -39,6 +39,7 @@ from rlsys.worker.metrics import reduce_metrics
 from rlsys.worker.microbatch import ModelInput, build_input
 from rlsys.worker.offload import StateOffloader
 from rlsys.worker.packing import balance_partitions, pack_microbatches
+from rlsys.worker.router_replay import RouterReplay
 
 # loss_fn(output [b, T, V/tp], model_input) -> (loss scalar, {metric: (value, weight)})
 LossFn = Callable[[torch.Tensor, ModelInput], tuple[torch.Tensor, dict]]
@@ -67,10 +68,12 @@ class MegatronEngine:
         load: Callable[[list], None] | None = None,
         customize: Callable[[list], None] | None = None,
         hf_dir: str | None = None,
+        router_replay: bool = False,
     ):
         """``load(chunks)`` fills the weights before the optimizer copies them into its master
         params; ``customize(chunks)`` may swap modules (the critic's value head) before that.
-        ``hf_dir`` is the HF checkpoint the weights came from (checkpoints copy its config and tokenizer)."""
+        ``hf_dir`` is the HF checkpoint the weights came from (checkpoints copy its config and tokenizer).
+        ``router_replay``: the MoE routers can record and replay routing (``rlsys.worker.router_replay``)."""
         self.arch, self.topo, self.cfg, self.dtype, self.hf_dir = arch, topo, cfg, dtype, hf_dir
         p = cfg.parallel
         self.chunks, self.config = build_model(
@@ -86,6 +89,7 @@ class MegatronEngine:
             customize(self.chunks)
         if load is not None:
             load(self.chunks)
+        self.replay = RouterReplay(self.chunks, topo, arch.num_layers) if router_replay else None
         self.use_thd = topo.device.type == "cuda" and have_transformer_engine()
         self.trainable = trainable
         self.model = self.chunks
@@ -213,6 +217,8 @@ class MegatronEngine:
     # -- running ------------------------------------------------------------------------------
 
     def _forward(self, model, inp: ModelInput) -> torch.Tensor:
+        if self.replay is not None:
+            self.replay.before_forward(model, inp)
         return model(
             inp.tokens,
             inp.position_ids,
@@ -220,12 +226,25 @@ class MegatronEngine:
             packed_seq_params=inp.packed_seq_params,
         )
 
-    def run(self, inputs: list[ModelInput], loss_fn: LossFn | None = None, collect_fn: CollectFn | None = None) -> list:
+    def run(
+        self,
+        inputs: list[ModelInput],
+        loss_fn: LossFn | None = None,
+        collect_fn: CollectFn | None = None,
+        record_routing: bool = False,
+    ) -> list:
         """Run every micro-batch; with ``loss_fn`` also backward (gradients accumulate in the DDP buffers).
 
         Returns, on the last pipeline stage, the per-micro-batch metric dicts (training) or the
-        ``collect_fn`` results (forward-only); an empty list elsewhere.
+        ``collect_fn`` results (forward-only); an empty list elsewhere. Inputs that carry a routing record
+        replay it; ``record_routing`` keeps this run's (``self.replay.collect``).
         """
+        # a model built without replay (the reference, the critic) routes itself whatever the batch carries
+        replaying = bool(inputs) and inputs[0].routing is not None
+        if record_routing and self.replay is None:
+            raise RuntimeError("recording the routing needs an engine built with router_replay=True")
+        if self.replay is not None:
+            self.replay.start("replay" if replaying else "record" if record_routing else None)
         forward_only = loss_fn is None
         n = len(inputs)
         results: list = []

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlsys.errors import UserError
 from rlsys.worker.batch import TrainBatch, pad_rows
 from rlsys.worker.context_parallel import (
     cp_gather,
@@ -25,6 +26,7 @@ from rlsys.worker.context_parallel import (
     pack_for_cp,
 )
 from rlsys.worker.packing import pack, packed_seq_params, pad_batch
+from rlsys.worker.router_replay import lay_out
 
 
 @dataclass
@@ -38,6 +40,8 @@ class ModelInput:
     indices: list[int]  # the samples of the batch, in span order
     cp_group: object | None = None  # context parallelism: this rank holds a slice of the row
     cu_seqlens_padded: torch.Tensor | None = None
+    token_spans: list[tuple[int, int, int]] | None = None  # per sample: (row, first position, sequence length)
+    routing: tuple[torch.Tensor, torch.Tensor | None] | None = None  # replay: ids, weights [b, T, layers, k]
 
     def full_row(self, per_position: torch.Tensor) -> torch.Tensor:
         """Per-position values of this rank's CP slice -> the whole row (autograd-aware); identity without CP."""
@@ -74,6 +78,8 @@ def build_input(
     seqs = [batch.sequences[i].long() for i in indices]
     prompts = [batch.prompt_lengths[i] for i in indices]
     if cp is not None and cp[0] > 1:
+        if batch.routing is not None:
+            raise UserError("algorithm.router_replay does not support context parallelism yet: set cp=1")
         return _context_parallel_input(seqs, prompts, list(indices), device, pad_to_multiple, packed, use_thd, cp)
     if packed:
         total = sum(int(s.shape[0]) for s in seqs)
@@ -83,6 +89,7 @@ def build_input(
         pb = pack(seqs, pad_to_multiple=pad_to_length or pad_to_multiple)
         tokens, position_ids = pb.tokens, pb.position_ids
         starts = pb.cu_seqlens[:-1].tolist()
+        token_spans = [(0, starts[i], int(s.shape[0])) for i, s in enumerate(seqs)]
         spans = [(0, starts[i] + p - 1, int(s.shape[0]) - p) for i, (s, p) in enumerate(zip(seqs, prompts))]
         targets = torch.zeros_like(tokens)
         for i, s in enumerate(seqs):
@@ -99,6 +106,7 @@ def build_input(
         if target_width > width:
             tokens = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], target_width - width)], 1)
         position_ids = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()
+        token_spans = [(i, 0, int(s.shape[0])) for i, s in enumerate(seqs)]
         spans = [(i, p - 1, int(s.shape[0]) - p) for i, (s, p) in enumerate(zip(seqs, prompts))]
         targets = torch.zeros_like(tokens)
         for i, s in enumerate(seqs):
@@ -106,7 +114,20 @@ def build_input(
         t = tokens.shape[1]
         mask = torch.triu(torch.ones(1, 1, t, t, dtype=torch.bool), diagonal=1).to(device)
         psp = None
-    return ModelInput(tokens.to(device), position_ids.to(device), mask, psp, targets.to(device), spans, list(indices))
+    routing = None
+    if batch.routing is not None:
+        routing = lay_out([batch.routing[i] for i in indices], token_spans, *tokens.shape)
+    return ModelInput(
+        tokens.to(device),
+        position_ids.to(device),
+        mask,
+        psp,
+        targets.to(device),
+        spans,
+        list(indices),
+        token_spans=token_spans,
+        routing=routing,
+    )
 
 
 def _context_parallel_input(seqs, prompts, indices, device, pad_to_multiple, packed, use_thd, cp) -> ModelInput:

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlsys.rollout.cpu.routing import RoutingCapture, SampleRoutes
+
 # SGLang sampling keys the CPU engine has no use for; accepted and ignored.
 IGNORED_KEYS = {"spaces_between_special_tokens", "stream_interval", "custom_params"}
 # SGLang sampling keys it does not implement; refused unless left at their default.
@@ -113,6 +115,8 @@ class Request:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     aborted: bool = False  # set by /abort_request or /pause_generation(mode="abort")
+    return_routed_experts: bool = False  # MoE: meta_info routed_experts (rlsys.rollout.cpu.routing)
+    routed_experts_start_len: int = 0
 
 
 def parse_request(body: dict, tokenizer, next_seed) -> tuple[list[Request], bool, bool]:
@@ -140,6 +144,8 @@ def parse_request(body: dict, tokenizer, next_seed) -> tuple[list[Request], bool
     want_lp, start, top = (
         per_prompt(k, d) for k, d in [("return_logprob", False), ("logprob_start_len", -1), ("top_logprobs_num", 0)]
     )
+    routed = bool(body.get("return_routed_experts"))
+    routed_start = int(body.get("routed_experts_start_len") or 0)
     rids = per_prompt("rid", None)
     if isinstance(body.get("rid"), str) and len(prompts) > 1:
         rids = [f"{body['rid']}_{i}" for i in range(len(prompts))]  # SGLang: a string rid prefixes a batch
@@ -147,12 +153,15 @@ def parse_request(body: dict, tokenizer, next_seed) -> tuple[list[Request], bool
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise ValueError("a prompt has no tokens")
+        if routed and not 0 <= routed_start <= len(prompt):
+            raise ValueError(f"routed_experts_start_len={routed_start} is outside [0, {len(prompt)}] (prompt tokens)")
         p = params[i]
         for j in range(p.n):
             # one stream per sample of the request: prompts sharing s + j would share their random draws
             seed = p.sampling_seed + i * p.n + j if p.sampling_seed is not None else next_seed()
             rid = rids[i] if rids[i] and p.n == 1 else uuid.uuid4().hex  # SGLang gives each of n samples a new rid
-            samples.append(Request(rid, prompt, p, seed, bool(want_lp[i]), int(start[i]), int(top[i] or 0)))
+            lp_args = (bool(want_lp[i]), int(start[i]), int(top[i] or 0))
+            samples.append(Request(rid, prompt, p, seed, *lp_args, False, routed, routed_start))
     is_single = is_single and params[0].n == 1
     return samples, is_single, bool(body.get("return_text_in_logprobs"))
 
@@ -177,8 +186,9 @@ def sample_token(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) 
 class Generator:
     """Runs samples on a causal LM with a KV cache, one sequence at a time."""
 
-    def __init__(self, model, tokenizer, context_len: int):
-        self.model, self.tokenizer, self.context_len = model, tokenizer, context_len
+    def __init__(self, model, tokenizer, context_len: int, routing: RoutingCapture | None = None):
+        """``routing``: the model's router hooks when the server returns routed experts."""
+        self.model, self.tokenizer, self.context_len, self.routing = model, tokenizer, context_len, routing
         self.vocab_size = model.config.get_text_config().vocab_size
         self.eos_ids = _eos_ids(model, tokenizer)
         params = inspect.signature(model.forward).parameters
@@ -225,11 +235,14 @@ class Generator:
                 if action == "recompute":
                     cache = None
                 need_input = s.return_logprob and s.logprob_start_len >= 0 and input_lps is None
-                logits, cache = self._forward(prompt + q.out if cache is None else q.out[-1:], cache, need_input)
+                ids = prompt + q.out if cache is None else q.out[-1:]
+                with self._capture([q]) as record:
+                    logits, cache = self._forward(ids, cache, need_input)
+                self._routes(record, [q], len(ids))
                 if need_input:
                     input_lps = self._input_logprobs(logits, s)
                 self._step(q, logits[-1])
-        return self._response(s, q.out, q.lps, q.tops, input_lps, q.finish, time.time() - tic)
+        return self._response(q, input_lps, time.time() - tic)
 
     def can_batch(self, s: Request) -> bool:
         """Whether ``run_batch`` serves this sample. Sequential ``run`` instead for input log-probs
@@ -286,18 +299,39 @@ class Generator:
                 batch = live
                 if cache is None:
                     ids, mask, pos = self._left_pad([q.s.prompt_ids + q.out for q in batch])
-                    logits, cache = self._forward_batch(ids, mask, pos, None)
+                    with self._capture(batch) as record:
+                        logits, cache = self._forward_batch(ids, mask, pos, None)
+                    self._routes(record, batch, ids.shape[1])
                     pos = pos[:, -1:]
                 else:
                     ids = torch.tensor([[q.out[-1]] for q in batch])
                     mask = torch.cat([mask, mask.new_ones(len(batch), 1)], dim=1)
                     pos = pos + 1
-                    logits, cache = self._forward_batch(ids, mask, pos, cache)
+                    with self._capture(batch) as record:
+                        logits, cache = self._forward_batch(ids, mask, pos, cache)
+                    self._routes(record, batch, 1)
                 for q, row in zip(batch, logits):
                     self._step(q, row)
                     if q.finish is not None:
                         q.latency = time.time() - tic
-        return [self._response(q.s, q.out, q.lps, q.tops, None, q.finish, q.latency) for q in seqs]
+        return [self._response(q, None, q.latency) for q in seqs]
+
+    def _capture(self, seqs: list[_Seq]):
+        wanted = self.routing is not None and any(q.s.return_routed_experts for q in seqs)
+        return self.routing.during(wanted) if wanted else contextlib.nullcontext(None)
+
+    def _routes(self, record: dict | None, seqs: list[_Seq], width: int) -> None:
+        """File a forward's routing under its samples: row ``r`` of the ``[len(seqs), width]`` input holds the
+        last positions of ``seqs[r]``'s sequence so far (left padding before them)."""
+        if not record:
+            return
+        for r, q in enumerate(seqs):
+            if not q.s.return_routed_experts:
+                continue
+            total = len(q.s.prompt_ids) + len(q.out)
+            n = min(width, total)
+            ids, weights = self.routing.rows(record, torch.arange(r * width + width - n, (r + 1) * width))
+            q.routes.add(total - n, ids, weights)
 
     def _left_pad(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(ids, attention_mask, position_ids)`` for sequences padded on the left to one length."""
@@ -344,7 +378,8 @@ class Generator:
         tops = [None if i == 0 or k <= 0 else _top(lp[i - 1], k) for i in range(start, len(ids))]
         return [vals, ids[start:], tops]
 
-    def _response(self, s: Request, out, lps, tops, input_lps, finish, latency) -> dict:
+    def _response(self, q: _Seq, input_lps, latency) -> dict:
+        s, out, lps, tops, finish = q.s, q.out, q.lps, q.tops, q.finish
         meta = {
             "id": s.rid,
             "finish_reason": finish,
@@ -361,6 +396,8 @@ class Generator:
             if s.top_logprobs_num > 0:
                 meta["output_top_logprobs"] = tops
                 meta["input_top_logprobs"] = in_tops
+        if s.return_routed_experts and self.routing is not None:
+            meta.update(q.routes.meta(len(s.prompt_ids) + len(out), s.routed_experts_start_len))
         resp = {"output_ids": out, "meta_info": meta}
         if self.tokenizer is not None:
             resp = {"text": self._text(out, s.params, finish), **resp}
@@ -394,6 +431,7 @@ class _Seq:
     tops: list = field(default_factory=list)
     finish: dict | None = None
     latency: float = 0.0
+    routes: SampleRoutes = field(default_factory=SampleRoutes)
 
 
 def _top(logprobs: torch.Tensor, k: int) -> list:
