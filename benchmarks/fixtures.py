@@ -8,6 +8,6 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from tiny_models import make_tiny_hf_checkpoint, random_train_batch  # noqa: E402
+from tiny_models import make_tiny_hf_checkpoint, near_tie_routers, random_train_batch  # noqa: E402
 
-__all__ = ["make_tiny_hf_checkpoint", "random_train_batch"]
+__all__ = ["make_tiny_hf_checkpoint", "near_tie_routers", "random_train_batch"]

@@ -171,3 +171,23 @@ def save_word_tokenizer(path):
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(1001)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+
+
+def near_tie_routers(ckpt: str, eps: float = 1e-5) -> str:
+    """Make every router score its experts almost alike (rows = a shared row + eps x their own), and drop
+    DeepSeek's score-correction bias: float rounding then decides many top-k choices, as near-ties do in
+    real MoE models, so two implementations of the same weights route tokens differently."""
+    from safetensors.torch import load_file, save_file
+
+    for name in os.listdir(ckpt):
+        if not name.endswith(".safetensors"):
+            continue
+        path = os.path.join(ckpt, name)
+        tensors = load_file(path)
+        for key, t in tensors.items():
+            if key.endswith("mlp.gate.weight"):
+                tensors[key] = (10 * t.mean(0, keepdim=True) + eps * t).contiguous()
+            elif key.endswith("e_score_correction_bias"):
+                tensors[key] = torch.zeros_like(t)
+        save_file(tensors, path, metadata={"format": "pt"})
+    return ckpt

@@ -67,6 +67,15 @@ def _check_router_replay(cfg: RunConfig) -> None:
           "full recompute runs them again in backward: use recompute none or selective")  # fmt: skip
     _need(cfg.actor.parallel.cp == 1, "actor.parallel.cp", cfg.actor.parallel.cp, f"{key}={mode} needs cp=1 for now")
     if mode == "R3":
+        r = cfg.rollout
+        _need(
+            not (r.engine == "sglang" and cfg.cluster.device == "cpu"),
+            "rollout.engine",
+            "sglang",
+            "R3 needs the engine's routed experts, and SGLang 0.5.23's CPU backend cannot return them (its capture "
+            "buffer pins host memory through CUDA, and the server exits at start; tests/sglang checks this): "
+            "use rollout.engine: cpu, or algorithm.router_replay: R2",
+        )
         _need(
             not cfg.rollout.multi_turn.agent,
             "rollout.multi_turn.agent",

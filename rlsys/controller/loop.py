@@ -94,7 +94,7 @@ def learn(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
             if not in_update:
                 old = actor.compute_logprobs(batch, with_entropy=True)
                 batch.set("old_logp", old["logp"])
-                if "routing" in old:  # R2: the update replays the routing these log-probs came from
+                if algo.router_replay == "R2":  # the update replays the routing these log-probs came from
                     batch.set_routing(old["routing"])
             ref_logp = values = None
             if ref is not None:

@@ -51,6 +51,10 @@ def _requests() -> dict[str, tuple[str, dict]]:
             p.generate_payload(input_ids=RECORDED_PROMPTS[0], sampling=p.sampling_params(n=1), rid="rlsys-0"),
         ),
         "generate_text": ("GenerateReqInput", p.generate_payload(text=["1+1=", "2+2="], rid=["a", "b"])),
+        "generate_routed": (  # MoE routing replay R3
+            "GenerateReqInput",
+            p.generate_payload(input_ids=RECORDED_PROMPTS, sampling=sampling, return_routed_experts=True),
+        ),
         "init_group": ("InitWeightsUpdateGroupReqInput", p.init_weights_update_group_payload("10.0.0.1", 29500, 1, 3)),
         "destroy_group": ("DestroyWeightsUpdateGroupReqInput", p.destroy_weights_update_group_payload("g")),
         "from_distributed": (
@@ -84,7 +88,15 @@ def _requests() -> dict[str, tuple[str, dict]]:
 
 
 LAUNCH = launch.sglang_command(
-    "/models/tiny", 2, 30011, 0.6, "bf16", 7, ["--log-level", "warning"], enable_memory_saver=True, base_gpu_id=2
+    "/models/tiny",
+    2,
+    30011,
+    0.6,
+    "bf16",
+    7,
+    ["--enable-return-routed-experts", "--log-level", "warning"],  # the first as start_engines adds it for R3
+    enable_memory_saver=True,
+    base_gpu_id=2,
 )
 # SGLang's CPU backend as rlsys launches it (attention backend fixed: the parse must not depend on this CPU)
 LAUNCH_CPU = launch.sglang_command(
@@ -272,6 +284,7 @@ def test_sglang_reads_batches_and_samples_as_rlsys_means_them(report):
     # [batch_size, parallel_sample_num, is_single] after GenerateReqInput.normalize_batch_and_arguments
     assert report["generate"] == {
         "generate_batch": [2, 4, False],
+        "generate_routed": [2, 4, False],
         "generate_single_rid": [1, 1, True],
         "generate_text": [2, 1, False],
     }

@@ -147,6 +147,20 @@ CASES = [
         lambda f: ["rollout.multi_turn.env=calculator", "rollout.multi_turn.max_turns=0"],
         ["rollout.multi_turn.max_turns", ">= 1"],
     ),
+    # MoE routing replay
+    ("routing replay on a dense model", None, lambda f: ["algorithm.router_replay=R3"], ["router_replay", "dense"]),
+    (
+        "routing replay with full recompute",
+        None,
+        lambda f: ["algorithm.router_replay=R2", "actor.recompute=full"],
+        ["actor.recompute", "full recompute"],
+    ),
+    (
+        "R3 with SGLang on CPU",
+        None,
+        lambda f: ["algorithm.router_replay=R3", "rollout.engine=sglang"],
+        ["rollout.engine", "cannot return them", "rollout.engine: cpu"],
+    ),
     ("reward module missing", None, lambda f: ["reward.name=nosuchpkg.mod:fn"], ["reward.name", "nosuchpkg"]),
     ("reward function missing", None, lambda f: ["reward.name=os:nosuchfn"], ["reward.name", "nosuchfn"]),
     ("reward timeout", None, lambda f: ["reward.timeout_s=0"], ["reward.timeout_s"]),
