@@ -63,8 +63,6 @@ def _check_router_replay(cfg: RunConfig) -> None:
     if mode == "none":
         return
     key = "algorithm.router_replay"
-    _need(cfg.actor.recompute != "full", "actor.recompute", "full", f"{key}={mode} replays the routers' first forward; "
-          "full recompute runs them again in backward: use recompute none or selective")  # fmt: skip
     _need(cfg.actor.parallel.cp == 1, "actor.parallel.cp", cfg.actor.parallel.cp, f"{key}={mode} needs cp=1 for now")
     if mode == "R3":
         r = cfg.rollout

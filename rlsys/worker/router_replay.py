@@ -27,6 +27,7 @@ so a router with an aux loss is refused.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -107,13 +108,21 @@ def lay_out(routings: Sequence[Routing], spans: Sequence[tuple[int, int, int]], 
 
 class _LayerReplay:
     """One router's hook: megatron calls ``get_replay_topk`` for the top-k, and the wrapped ``routing``
-    finishes with ``after_routing``."""
+    finishes with ``after_routing``.
+
+    Under full recompute a training forward runs each layer twice: once without grad (megatron's
+    ``CheckpointFunction``), and again in backward. Backward reaches a stage's micro-batches in the order their
+    forwards ran (1F1B and the interleaved schedule alike), so the forward queues its record and the
+    recompute takes the oldest one."""
 
     def __init__(self, router):
+        self.router = router
         self.mode: str | None = None
         self.target_ids = self.target_weights = None  # [tokens, k] for the next forward of this layer
         self.recorded: list[tuple[torch.Tensor, torch.Tensor]] = []  # per forward: (ids, weights)
-        self._ids = None
+        self.pending: deque = deque()  # full recompute: the records the backward's recomputes will replay
+        self.recompute = router.config.recompute_granularity == "full"
+        self._ids = self._target = None
         original = router.routing
 
         def routing(logits, padding_mask=None):
@@ -123,10 +132,23 @@ class _LayerReplay:
         router.routing = routing
         router.router_replay = self
 
+    def _next_target(self) -> tuple:
+        """``(ids, weights)`` this call replays."""
+        if not (self.recompute and self.router.training):
+            return self.target_ids, self.target_weights
+        if torch.is_grad_enabled():  # the backward's recompute
+            if not self.pending:
+                raise RuntimeError("routing replay: a recompute without a recorded forward")
+            return self.pending.popleft()
+        self.pending.append((self.target_ids, self.target_weights))
+        return self.target_ids, self.target_weights
+
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         probs, ids = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        if self.mode == "replay" and self.target_ids is not None:
-            target = self.target_ids.to(scores.device, torch.long)
+        self._target = self._next_target() if self.mode == "replay" else (None, None)
+        target, _ = self._target
+        if target is not None:
+            target = target.to(scores.device, torch.long)
             if target.shape != ids.shape:
                 raise RuntimeError(f"routing replay: {tuple(target.shape)} ids for a {tuple(ids.shape)} top-k")
             valid = (target >= 0).all(-1, keepdim=True)
@@ -137,12 +159,12 @@ class _LayerReplay:
 
     def after_routing(self, probs: torch.Tensor) -> torch.Tensor:
         ids, self._ids = self._ids, None
+        (target_ids, target_weights), self._target = self._target or (None, None), None
         if self.mode == "record":
             self.recorded.append((ids.to(torch.int32).cpu(), probs.detach().gather(1, ids).float().cpu()))
-        elif self.mode == "replay" and self.target_weights is not None:
-            target = self.target_ids.to(probs.device, torch.long)
-            valid = (target >= 0).all(-1, keepdim=True)
-            dense = torch.zeros_like(probs).scatter(1, ids, self.target_weights.to(probs.device, probs.dtype))
+        elif target_ids is not None and target_weights is not None:
+            valid = (target_ids.to(probs.device) >= 0).all(-1, keepdim=True)
+            dense = torch.zeros_like(probs).scatter(1, ids, target_weights.to(probs.device, probs.dtype))
             # the recorded value forward, the router's own weights backward
             probs = torch.where(valid, dense + (probs - probs.detach()), probs)
         return probs
@@ -182,6 +204,7 @@ class RouterReplay:
         self.mode = mode
         for _, layer in self.layers():
             layer.mode, layer.recorded, layer.target_ids, layer.target_weights = mode, [], None, None
+            layer.pending.clear()
 
     def before_forward(self, chunk, inp) -> None:
         """Point the chunk's routers at this micro-batch's record (replay)."""

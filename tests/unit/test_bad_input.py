@@ -150,10 +150,10 @@ CASES = [
     # MoE routing replay
     ("routing replay on a dense model", None, lambda f: ["algorithm.router_replay=R3"], ["router_replay", "dense"]),
     (
-        "routing replay with full recompute",
+        "routing replay with context parallelism",
         None,
-        lambda f: ["algorithm.router_replay=R2", "actor.recompute=full"],
-        ["actor.recompute", "full recompute"],
+        lambda f: ["algorithm.router_replay=R2", "actor.parallel.cp=2"],
+        ["actor.parallel.cp", "cp=1"],
     ),
     (
         "R3 with SGLang on CPU",

@@ -346,6 +346,6 @@ def test_moved_table_points_at_existing_keys():
 def test_objectives_carry_only_their_sections():
     a = load_config(None, ["algorithm.loss.clip_high=0.3", "algorithm.value_loss.clip=0.4"]).algorithm
     policy, value = PolicyObjective.of(a), ValueObjective.of(a)
-    assert [f.name for f in dataclasses.fields(policy)] == ["name", "loss", "kl", "schedule"]
+    assert [f.name for f in dataclasses.fields(policy)] == ["name", "loss", "kl", "schedule", "router_replay"]
     assert [f.name for f in dataclasses.fields(value)] == ["loss", "schedule"]
     assert policy.loss.clip_high == 0.3 and value.loss.clip == 0.4 and policy.schedule == value.schedule

@@ -77,6 +77,16 @@ class RoutingCapture:
         return ids, weights
 
 
+def server_capture(model, enabled: bool, model_path: str) -> RoutingCapture | None:
+    """The server's capture (``--enable-return-routed-experts``), refused at start for a model without routers."""
+    if not enabled:
+        return None
+    capture = RoutingCapture(model)
+    if not capture.available:
+        raise SystemExit(f"--enable-return-routed-experts: {model_path} has no MoE router (an mlp.gate module)")
+    return capture
+
+
 class SampleRoutes:
     """One sample's routing so far: a row per processed position, the first record of each kept."""
 

@@ -40,7 +40,7 @@ from rlsys.faults import engine_dies
 from rlsys.host_memory import keep_freed_memory
 from rlsys.lifetime import exit_with_parent
 from rlsys.rollout.cpu.generate import Gate, Generator, parse_request
-from rlsys.rollout.cpu.routing import RoutingCapture
+from rlsys.rollout.cpu.routing import server_capture
 from rlsys.rollout.cpu.weights import (
     HFWeights,
     WeightUpdateError,
@@ -81,11 +81,7 @@ class CPUEngine:
         self.tokenizer = _load_tokenizer(self.tokenizer_path)
         self.weights = HFWeights(self.model)
         context_len = getattr(self.model.config.get_text_config(), "max_position_embeddings", 4096)
-        routing = None
-        if getattr(args, "enable_return_routed_experts", False):
-            routing = RoutingCapture(self.model)
-            if not routing.available:
-                raise SystemExit(f"--enable-return-routed-experts: {args.model_path} has no MoE router (mlp.gate)")
+        routing = server_capture(self.model, args.enable_return_routed_experts, args.model_path)
         self.generator = Generator(self.model, self.tokenizer, context_len, routing)
         self.gate = Gate()
         self.groups: dict[str, dist.ProcessGroup] = {}
@@ -562,9 +558,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0, help="seeds requests that carry no sampling_seed")
     ap.add_argument("--weight-version", default="default")
     ap.add_argument("--enable-weights-cpu-backup", action="store_true", help="resume restores released weights")
-    ap.add_argument(
-        "--enable-return-routed-experts", action="store_true", help="MoE: answer return_routed_experts (as SGLang)"
-    )
+    ap.add_argument("--enable-return-routed-experts", action="store_true", help="MoE: return_routed_experts")
     ap.add_argument("--num-threads", type=int, default=1, help="torch CPU threads (1 suits small models)")
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (but on /health)")
     ap.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process is gone")
