@@ -436,10 +436,11 @@ def test_release_resume_then_update_from_tensor(qwen2, ckpts):
             r = post(qwen2, "/update_weights_from_tensor", {"serialized_named_tensors": [shared]})
         assert r.status_code == 400 and "refusing to unpickle" in r.json()["message"], (strategy, r.text)
 
-    evil = base64.b64encode(pickle.dumps([("x", print)])).decode()
+    # eval, not print: once Ray was imported in this process, ``print`` is Ray's tqdm-safe wrapper
+    evil = base64.b64encode(pickle.dumps([("x", eval)])).decode()
     with session(qwen2):
         r = post(qwen2, "/update_weights_from_tensor", {"serialized_named_tensors": [evil]})
-    assert r.status_code == 400 and "refusing to unpickle builtins.print" in r.json()["message"]
+    assert r.status_code == 400 and "refusing to unpickle builtins.eval" in r.json()["message"]
 
 
 # ---- pause / continue ----
