@@ -20,6 +20,7 @@ import time
 import uuid
 
 from rlsys.errors import ConfigError
+from rlsys.rollout.daemon_pool import DaemonPool
 from rlsys.rollout.openai_server import join_turns
 from rlsys.rollout.protocol import Sample
 
@@ -44,7 +45,7 @@ class AgentDriver:
 
     def __init__(self, server, fn, cfg):
         self.server, self.fn, self.cfg = server, fn, cfg
-        self._pool = cf.ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="rlsys-agent")
+        self._pool = DaemonPool(cfg.concurrency, "rlsys-agent")  # an agent that never returns must not starve it
 
     def generate(self, prompts, sampling: dict) -> tuple[list[Sample], dict]:
         n, tag = int(sampling.get("n", 1)), uuid.uuid4().hex[:12]
@@ -56,6 +57,7 @@ class AgentDriver:
             try:
                 answer = fut.result(timeout=max(deadline - time.monotonic(), 0.0))
             except cf.TimeoutError:
+                self._pool.abandon(fut)
                 answer, counts["agent_timeouts"] = False, counts["agent_timeouts"] + 1
             except Exception:  # the agent's own bug: this trajectory is lost, the step goes on
                 answer, counts["agent_errors"] = False, counts["agent_errors"] + 1
@@ -68,6 +70,11 @@ class AgentDriver:
             for s in pieces:
                 s.prompt_index, s.text = i, answer if isinstance(answer, str) else None
             samples += pieces
+        if self._pool.abandoned > 4 * self.cfg.concurrency:
+            raise RuntimeError(
+                f"rollout.multi_turn.agent {self.cfg.agent!r}: {self._pool.abandoned} calls never returned (each "
+                f"keeps a thread running); it must finish within rollout.multi_turn.agent_timeout_s"
+            )
         if not samples:
             raise RuntimeError(
                 f"rollout.multi_turn.agent {self.cfg.agent!r} produced no completion for any of {len(jobs)} "
@@ -79,5 +86,5 @@ class AgentDriver:
         return samples, metrics
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
         self.server.close()

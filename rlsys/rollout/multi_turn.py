@@ -24,7 +24,10 @@ from rlsys.envs.base import Environment, StepResult
 from rlsys.envs.registry import make_env
 from rlsys.envs.tool_calls import tool_format
 from rlsys.rollout.chat_glue import ChatGlue
+from rlsys.rollout.daemon_pool import DaemonPool
 from rlsys.rollout.protocol import Sample
+
+MAX_STUCK_PER_WORKER = 4  # environment steps that never returned, per rollout.multi_turn.concurrency: then stop
 
 
 @dataclass
@@ -105,7 +108,7 @@ class MultiTurnDriver:
         self.tools = make_env(cfg.env, cfg.env_kwargs, self.format).tools  # one built now: bad arguments fail early
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else getattr(tokenizer, "vocab", {})
         self.stop_ids = [vocab[t] for t in self.format.stop_tokens if t in vocab]
-        self._pool = cf.ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="rlsys-env")
+        self._pool = DaemonPool(cfg.concurrency, "rlsys-env")  # a step that never returns must not starve it
 
     def generate(self, prompts, sampling: dict) -> tuple[list[Sample], dict]:
         n = int(sampling.get("n", 1))
@@ -168,7 +171,7 @@ class MultiTurnDriver:
             try:
                 r = fut.result(timeout=limit)
             except cf.TimeoutError:
-                fut.cancel()
+                self._pool.abandon(fut)
                 r = StepResult(f"error: the tool did not answer within {limit:g} s", info={"tool_timeouts": 1})
             except Exception as e:  # an environment's bug must not fail the RL step
                 r = StepResult(f"error: {type(e).__name__}: {e}", info={"env_errors": 1})
@@ -176,6 +179,11 @@ class MultiTurnDriver:
                 what = type(r).__name__
                 r = StepResult(f"error: the environment returned {what}, not a StepResult", info={"env_errors": 1})
             results.append(r)
+        if self._pool.abandoned > MAX_STUCK_PER_WORKER * self.cfg.concurrency:
+            raise RuntimeError(
+                f"environment {self.cfg.env!r}: {self._pool.abandoned} steps never returned (each keeps a thread "
+                f"running); its step must finish, or fail, within rollout.multi_turn.tool_timeout_s={limit:g}"
+            )
         return results
 
     def _reset(self, trajs: list[Trajectory], prompts) -> None:
@@ -184,6 +192,7 @@ class MultiTurnDriver:
             try:
                 fut.result(timeout=self.cfg.tool_timeout_s)
             except Exception as e:  # not a tool's failure the model could learn from: the environment is broken
+                self._pool.abandon(fut)
                 what = "timed out" if isinstance(e, cf.TimeoutError) else f"raised {type(e).__name__}: {e}"
                 raise RuntimeError(f"environment {self.cfg.env!r}: reset of prompt {t.prompt_index} {what}") from e
 
@@ -201,4 +210,4 @@ class MultiTurnDriver:
         return out
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()

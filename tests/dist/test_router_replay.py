@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from tiny_models import make_tiny_hf_checkpoint, near_tie_routers, random_train_batch
 
 from rlsys.local_ranks import run_on_ranks
-from tiny_models import make_tiny_hf_checkpoint, near_tie_routers, random_train_batch
 
 pytestmark = pytest.mark.dist
 
@@ -157,12 +157,18 @@ def _r3_rank(hf_dir, layout, samples, out):
     batch = TrainBatch(seqs, [len(s.prompt_ids) for s in samples])
     free = worker.compute_logprobs(batch)
     batch.set_routing(engine_routing(samples, worker.engine.arch.num_layers, worker.engine.arch.moe_top_k))
-    replayed = worker.compute_logprobs(batch)
+    replayed = _shared(worker.compute_logprobs(batch))
+    # the first update on the engine's routes: one mini-batch laid out as the old pass was, so ratio 1 exactly
+    update = batch.select(range(len(batch)))
+    update.set("old_logp", replayed["logp"])
+    update.set("advantages", [torch.linspace(-1, 1, n) for n in update.response_lengths])
+    metrics = worker.update(update)
     for r in batch.routing:  # what SGLang gives: ids, no weights
         r.weights = None
     ids_only = worker.compute_logprobs(batch)
     if free is not None and topo.tp_rank == 0:
-        torch.save({"free": free["logp"], "R3": replayed["logp"], "ids": ids_only["logp"]}, out)
+        results = {"free": free["logp"], "R3": replayed["logp"], "ids": ids_only["logp"], "metrics": metrics}
+        torch.save(results, out)
 
 
 @pytest.mark.parametrize("model_type,layout", [("qwen3_moe", {"tp": 2}), ("deepseek_v3", {"ep": 2})])
@@ -192,6 +198,7 @@ def test_r3_trainer_logprobs_equal_the_engine_s(model_type, layout, tmp_path):
     assert free > 0.05, f"the near-tie routers should make the trainer disagree without replay ({free})"
     assert r3 <= 1e-5, r3  # measured 1e-6
     assert ids <= 1e-5, ids
+    assert got["metrics"]["actor/ratio_max"] == 1.0 and got["metrics"]["actor/approx_kl"] == 0.0
 
 
 def _recompute_rank(hf_dir, layout, recompute, out):

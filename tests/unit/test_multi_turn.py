@@ -9,6 +9,9 @@ styles, and the built-in synthetic task's word tokenizer.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -387,3 +390,61 @@ def test_learn_trains_only_the_models_tokens(tmp_path):
     assert batch.fields["loss_mask"][0].tolist() == mask
     adv = batch.fields["advantages"][0]
     assert adv[2] == 0 and adv[3] == 0 and adv[0] > 0  # the better trajectory's own tokens are pushed up
+
+
+class NeverReturns(ToolEnvironment):
+    """A tool call blocks forever (on an event nobody sets)."""
+
+    def __init__(self):
+        self.functions = {"f": self.f}
+
+    def step(self, action_text):
+        if "<tool_call>" in action_text:
+            threading.Event().wait()
+        return super().step(action_text)
+
+    def f(self, x):
+        return x
+
+
+def test_steps_that_never_return_neither_starve_the_pool_nor_hold_the_process(monkeypatch):
+    """Each stuck step gives up its worker after the timeout: with one worker, later rounds still run, and a
+    step that never returns does not keep the process from exiting (its thread is a daemon)."""
+    import rlsys.envs.registry as registry
+
+    monkeypatch.setitem(registry.BUILTIN, "never", f"{__name__}:NeverReturns")
+    tok = SyntheticTokenizer(tools=True)
+    engines = ScriptedEngines(tok, ["<tool_call> a </tool_call>", "<tool_call> a </tool_call>", "a <eos>"])
+    driver = _driver(tok, engines, False, env="never", tool_timeout_s=0.3, concurrency=1, max_turns=3)
+    start = time.monotonic()
+    samples, metrics = driver.generate([_prompt(tok, "copy a =", "a", templated=False)], {"n": 1, "max_new_tokens": 8})
+    assert time.monotonic() - start < 3  # two stuck calls in a row, each 0.3 s, on a single worker
+    assert metrics["rollout/tool_timeouts_mean"] == 2.0 and driver._pool.abandoned == 2
+    driver.close()
+    code = (
+        "import threading, time\n"
+        "from rlsys.rollout.daemon_pool import DaemonPool\n"
+        "pool = DaemonPool(1, 'test')\n"
+        "f = pool.submit(threading.Event().wait)\n"
+        "time.sleep(0.2)\n"
+        "pool.abandon(f)\n"
+        "assert pool.submit(lambda: 7).result(timeout=5) == 7\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_an_environment_that_keeps_hanging_stops_the_run(monkeypatch):
+    import rlsys.envs.registry as registry
+    import rlsys.rollout.multi_turn as multi_turn
+
+    monkeypatch.setitem(registry.BUILTIN, "never", f"{__name__}:NeverReturns")
+    monkeypatch.setattr(multi_turn, "MAX_STUCK_PER_WORKER", 1)
+    tok = SyntheticTokenizer(tools=True)
+    engines = ScriptedEngines(tok, ["<tool_call> a </tool_call>"] * 4)
+    driver = _driver(tok, engines, False, env="never", tool_timeout_s=0.2, concurrency=1, max_turns=4)
+    with pytest.raises(
+        RuntimeError, match=r"2 steps never returned \(each keeps a thread running\).*tool_timeout_s=0.2"
+    ):
+        driver.generate([_prompt(tok, "copy a =", "a", templated=False)], {"n": 1, "max_new_tokens": 8})
+    driver.close()
