@@ -46,6 +46,7 @@ def test_engine_routing_covers_the_sequence_and_names_the_fix():
     s = _sample([1, 2, 3], [4, 5])
     (r,) = engine_routing([s], num_layers=2, top_k=2)
     assert r.ids.shape == (5, 2, 2) and r.weights.shape == (5, 2, 2)
+    assert r.ids.dtype == torch.int8  # 4 experts: ids and -1 fit a byte
     assert r.ids[:4].flatten().tolist() == s.routed_experts.tolist()
     assert (r.ids[4] == -1).all()  # the last token routes itself
     assert torch.equal(r.weights[:4].flatten(), torch.from_numpy(s.routed_expert_weights))
@@ -85,6 +86,14 @@ def test_micro_batch_layout_puts_each_token_s_route_at_its_position(packed):
     assert torch.equal(ids[..., 0, 0][real], inp.tokens[real].int())
     assert int(real.sum()) == 4 + 5
     assert torch.equal(weights[..., 1, 1][real], inp.tokens[real].float())
+
+
+def test_ids_take_the_smallest_type_that_holds_them():
+    from rlsys.worker.router_replay import compact
+
+    assert compact(torch.tensor([-1, 127])).dtype == torch.int8
+    assert compact(torch.tensor([-1, 255])).dtype == torch.int16  # DeepSeek-V3's 256 experts
+    assert compact(torch.tensor([-1, 40000])).tolist() == [-1, 40000]
 
 
 def test_lay_out_without_weights_when_any_sample_lacks_them():
