@@ -41,3 +41,13 @@ def test_tool_calls_through_the_engine_and_the_trainer(tmp_path):
     cfg = load_config(CONFIG, [f"trainer.output_dir={tmp_path / 'train'}", "trainer.steps=2", *ONE_RANK])
     history = train(cfg, use_ray=False, mode="train", replay_dir=rollout_dir(str(out)))
     assert len(history) == 2 and all(m["actor/grad_norm"] == m["actor/grad_norm"] for m in history)
+
+
+def test_tool_trajectories_one_step_off(tmp_path):
+    """Multi-turn rollouts generated during the previous step's update: every trajectory, all its turns and
+    tool calls, comes from one weight version, one behind the trainer (the sync waits for the batch)."""
+    keys = ["trainer.steps=4", f"trainer.output_dir={tmp_path}", "trainer.async_mode=one_step_off", *ONE_RANK]
+    history = train(load_config(CONFIG, keys), use_ray=False)
+    assert [m["rollout/staleness"] for m in history] == [0.0, 1.0, 1.0, 1.0]
+    assert [m["rollout/weight_version"] for m in history][1:] == [1.0, 2.0, 3.0]
+    assert all(m["rollout/turns_mean"] >= 1 and m["actor/grad_norm"] == m["actor/grad_norm"] for m in history)

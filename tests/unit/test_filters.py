@@ -150,3 +150,15 @@ def test_dynamic_sampler_take_too_early_and_validation():
         DynamicSampler(target_groups=0, max_rounds=1)
     with pytest.raises(ValueError, match=r"on_exhausted must be one of \('error', 'partial'\), got 'drop'"):
         DynamicSampler(target_groups=1, max_rounds=1, on_exhausted="drop")
+
+
+def test_dynamic_sampling_takes_uneven_groups_as_agent_rollouts_give_them():
+    """Agent mode can lose a trajectory (an agent timed out) or split one (its history re-rendered), so a
+    prompt's group holds any number of samples: whole groups with variance are kept, a lone sample is not."""
+    sampler = DynamicSampler(target_groups=2, max_rounds=2)
+    rows = ["p0a", "p0b", "p0c", "p1a", "p3a", "p3b"]  # prompt 2 lost every trajectory
+    kept = sampler.add(rows, torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5]), [0, 0, 0, 1, 3, 3])
+    assert kept == 1 and not sampler.done  # p1 alone and p3 without variance are dropped
+    sampler.add(["q5a", "q5b"], torch.tensor([0.0, 1.0]), [5, 5])
+    groups, metrics = sampler.take()
+    assert groups == [["p0a", "p0b", "p0c"], ["q5a", "q5b"]]
