@@ -201,7 +201,7 @@ class RouterReplay:
             self.chunk_layers[id(_unwrap(chunk))] = layers
         if not any(self.chunk_layers.values()):
             raise UserError("algorithm.router_replay is for MoE models; this model has no MoE layer: set it to none")
-        self.top_k = chunks[0].config.moe_router_topk
+        self.top_k, self.num_experts = chunks[0].config.moe_router_topk, chunks[0].config.num_moe_experts
         self.mode: str | None = None
 
     def layers(self) -> list[tuple[int, _LayerReplay]]:
@@ -220,6 +220,11 @@ class RouterReplay:
         if inp.routing is None:
             raise RuntimeError("routing replay: the micro-batch carries no routing record")
         ids, weights = inp.routing
+        if ids.shape[-1] != self.top_k or int(ids.max()) >= self.num_experts:
+            raise UserError(
+                f"routing replay: the record has top-{ids.shape[-1]} ids up to {int(ids.max())}; this model routes "
+                f"to {self.top_k} of {self.num_experts} experts: the engine serves another model than the trainer"
+            )
         for layer_index, layer in self.chunk_layers[id(_unwrap(chunk))]:
             layer.target_ids = self._local(ids[:, :, layer_index])
             layer.target_weights = None if weights is None else self._local(weights[:, :, layer_index])

@@ -231,3 +231,19 @@ def test_full_recompute_replays_each_micro_batch_in_backward(checkpoints, tmp_pa
     assert m_full["actor/grad_norm"] == pytest.approx(m_plain["actor/grad_norm"], rel=1e-5)
     for name, w in plain.items():
         torch.testing.assert_close(full[name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_replay_refuses_a_record_of_another_model(checkpoints):
+    """Expert ids past the model's experts (an engine serving another checkpoint) fail before any forward."""
+    with pytest.raises(Exception, match="ids up to 9; this model routes to 2 of 4 experts"):
+        run_on_ranks(_foreign_record, 1, "cpu", checkpoints["qwen3_moe"])
+
+
+def _foreign_record(hf_dir):
+    from rlsys.worker.batch import TrainBatch
+    from rlsys.worker.router_replay import Routing
+
+    worker, _ = _worker(hf_dir, {}, "R3")
+    batch = TrainBatch([torch.arange(6)], [2])
+    batch.set_routing([Routing(torch.full((6, 4, 2), 9, dtype=torch.int8))])
+    worker.compute_logprobs(batch)
