@@ -225,6 +225,9 @@ class RouterReplay:
                 f"routing replay: the record has top-{ids.shape[-1]} ids up to {int(ids.max())}; this model routes "
                 f"to {self.top_k} of {self.num_experts} experts: the engine serves another model than the trainer"
             )
+        # one copy per micro-batch and chunk, not one per layer (GPU)
+        ids = ids.to(self.topo.device, non_blocking=True)
+        weights = None if weights is None else weights.to(self.topo.device, non_blocking=True)
         for layer_index, layer in self.chunk_layers[id(_unwrap(chunk))]:
             layer.target_ids = self._local(ids[:, :, layer_index])
             layer.target_weights = None if weights is None else self._local(weights[:, :, layer_index])
