@@ -46,8 +46,10 @@ class Routing:
     weights: torch.Tensor | None = None
 
     def check(self, seq_len: int, num_layers: int | None = None, top_k: int | None = None, where: str = "") -> None:
+        if self.ids.dim() != 3:
+            raise ValueError(f"{where}routing ids have shape {tuple(self.ids.shape)}, expected [seq_len, layers, k]")
         want = (seq_len, num_layers or self.ids.shape[1], top_k or self.ids.shape[-1])
-        if self.ids.dim() != 3 or tuple(self.ids.shape) != want:
+        if tuple(self.ids.shape) != want:
             raise ValueError(f"{where}routing ids have shape {tuple(self.ids.shape)}, expected {want}")
         if self.weights is not None and self.weights.shape != self.ids.shape:
             raise ValueError(f"{where}routing weights have shape {tuple(self.weights.shape)}, expected {want}")
@@ -180,8 +182,9 @@ class _LayerReplay:
 class RouterReplay:
     """Routing record and replay for one rank's model chunks (see the module docstring).
 
-    ``run(mode)`` brackets an engine run: ``"record"`` keeps each micro-batch's routing, ``"replay"`` sets it
-    from ``ModelInput.routing`` before each chunk's forward (``before_forward``)."""
+    ``start(mode)`` opens an engine run: ``"record"`` keeps each micro-batch's routing (``collect`` turns it into
+    per-sample records), ``"replay"`` sets it from ``ModelInput.routing`` before each chunk's forward
+    (``before_forward``), None leaves the routers alone."""
 
     def __init__(self, chunks: Sequence[torch.nn.Module], topo, num_layers: int):
         from megatron.core.transformer.moe.router import TopKRouter
