@@ -42,8 +42,21 @@ def step_metrics(step: int, rolled: RolloutBatch, t: Timer, learned: dict) -> di
         **({"rollout/staleness": step - version} if math.isfinite(version) else {}),
         **rolled.metrics,
         **t,
+        **idle_fractions(t),
         "throughput/tokens_per_s": tokens / max(t["time/step_s"], 1e-9),
         **learned,
+    }
+
+
+def idle_fractions(t: dict) -> dict:
+    """The share of the step's wall time each side did not work: the engines outside generation (in
+    one_step_off that generation ran behind the previous step), the trainer roles outside their passes,
+    update and sync (waiting for the rollout and the rewards)."""
+    step = max(t.get("time/step_s", 0.0), 1e-9)
+    trainer = sum(t.get(f"time/{phase}_s", 0.0) for phase in ("logprob", "update", "sync"))
+    return {
+        "time/engine_idle_frac": max(0.0, 1.0 - t.get("time/rollout_s", 0.0) / step),
+        "time/trainer_idle_frac": max(0.0, 1.0 - trainer / step),
     }
 
 

@@ -54,6 +54,8 @@ REQUIRED_KEYS = [
     "time/update_s",
     "time/sync_s",
     "time/step_s",
+    "time/engine_idle_frac",
+    "time/trainer_idle_frac",
     "throughput/tokens_per_s",
 ]
 

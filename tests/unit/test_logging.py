@@ -311,3 +311,15 @@ def test_plot_cli_errors_are_one_line(tmp_path, capsys, setup, args, fragment):
     assert plot_main([str(tmp_path), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and fragment in err and "\n" not in err
+
+
+def test_idle_fractions_per_role():
+    from rlsys.controller.metrics import idle_fractions
+
+    sync = {"time/step_s": 10.0, "time/rollout_s": 4.0, "time/reward_s": 1.0, "time/logprob_s": 1.0,
+            "time/update_s": 3.0, "time/sync_s": 1.0}  # fmt: skip
+    assert idle_fractions(sync) == pytest.approx({"time/engine_idle_frac": 0.6, "time/trainer_idle_frac": 0.5})
+    # one step off: the batch was generated behind the previous step, longer than this step ran
+    ahead = {"time/step_s": 5.0, "time/rollout_s": 6.0, "time/logprob_s": 1.0, "time/update_s": 3.0}
+    assert idle_fractions(ahead) == pytest.approx({"time/engine_idle_frac": 0.0, "time/trainer_idle_frac": 0.2})
+    assert idle_fractions({}) == {"time/engine_idle_frac": 1.0, "time/trainer_idle_frac": 1.0}
