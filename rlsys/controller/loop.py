@@ -14,7 +14,7 @@ from rlsys.controller.replay import rollout_dir, save_rollout
 from rlsys.controller.run import Run, build_run
 from rlsys.rollout.batch import RolloutBatch, loss_masks, response_tensors
 from rlsys.worker.batch import TrainBatch, pad_rows, unpad_rows
-from rlsys.worker.router_replay import engine_routing
+from rlsys.worker.router_replay import engine_routing, update_routing
 
 
 def train(cfg: RunConfig, use_ray: bool = True, mode: str = "full", replay_dir: str | None = None) -> list[dict]:
@@ -94,8 +94,8 @@ def learn(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
             if not in_update:
                 old = actor.compute_logprobs(batch, with_entropy=True)
                 batch.set("old_logp", old["logp"])
-                if algo.router_replay == "R2":  # the update replays the routing these log-probs came from
-                    batch.set_routing(old["routing"])
+                if algo.router_replay != "none":  # the update replays the routing these log-probs came from
+                    batch.set_routing(update_routing(batch.routing, old["routing"]))
             ref_logp = values = None
             if ref is not None:
                 with turns.on_device(ref):

@@ -43,7 +43,6 @@ class PolicyWorker:
         self.vocab_size = engine.arch.vocab_size
         self._own_old, self._seen, self._lengths = False, [], []  # see update
         self._updates = 0  # this process's update calls (rlsys.faults)
-        self._replay_mode = objective.router_replay if objective is not None else "none"
 
     # -- shared pieces ------------------------------------------------------------------------
 
@@ -69,11 +68,12 @@ class PolicyWorker:
     def compute_logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> dict[str, list] | None:
         """``{"logp": [...], "entropy": [...]}`` per sample in batch order, on the last stage (else ``None``).
 
-        MoE routing replay: a batch with a routing record (R3) is scored on it; an actor with R2 records its
-        own routing here and returns it as ``"routing"`` (``Routing`` per sample) for the update to replay."""
+        MoE routing replay: a batch with a routing record (R3) is scored on it; an actor with R2 or R3 also
+        returns the routing it used as ``"routing"`` (``Routing`` per sample, its own weights at the experts) for
+        the update to replay (``router_replay.update_routing``)."""
         groups, fixed = self.engine.plan_microbatches(batch, "actor.batch.max_tokens_per_microbatch")
         inputs = self.engine.inputs(batch, groups, fixed)
-        record = self.engine.replay is not None and batch.routing is None and self._replay_mode == "R2"
+        record = self.engine.replay is not None
 
         def collect(output, inp: ModelInput):
             logp, ent = self._logprobs(output, inp, with_entropy)

@@ -210,6 +210,7 @@ class MegatronEngine:
                 pad_to_length=fixed,
                 use_thd=self.use_thd and self.cfg.batch.use_packing,
                 cp=(self.topo.cp, self.topo.cp_rank, self.topo.pg.cp) if self.topo.cp > 1 else None,
+                with_routing=self.replay is not None,
             )
             for g in groups
         ]
@@ -237,14 +238,13 @@ class MegatronEngine:
 
         Returns, on the last pipeline stage, the per-micro-batch metric dicts (training) or the
         ``collect_fn`` results (forward-only); an empty list elsewhere. Inputs that carry a routing record
-        replay it; ``record_routing`` keeps this run's (``self.replay.collect``).
+        replay it; ``record_routing`` keeps the routing this run used, replayed or not (``self.replay.collect``).
         """
-        # a model built without replay (the reference, the critic) routes itself whatever the batch carries
         replaying = bool(inputs) and inputs[0].routing is not None
         if record_routing and self.replay is None:
             raise RuntimeError("recording the routing needs an engine built with router_replay=True")
         if self.replay is not None:
-            self.replay.start("replay" if replaying else "record" if record_routing else None)
+            self.replay.start("replay" if replaying else None, record=record_routing)
         forward_only = loss_fn is None
         n = len(inputs)
         results: list = []
@@ -288,6 +288,8 @@ class MegatronEngine:
                 pg_collection=self.topo.pg,
                 **extra,
             )
+        if self.replay is not None:
+            self.replay.finish()
         return results if self.topo.is_last_stage else []
 
     def train(

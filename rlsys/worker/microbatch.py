@@ -67,6 +67,7 @@ def build_input(
     pad_to_length: int | None = None,
     use_thd: bool = False,
     cp: tuple[int, int, object] | None = None,
+    with_routing: bool = False,
 ) -> ModelInput:
     """Model input for the samples ``indices`` of ``batch``.
 
@@ -77,8 +78,9 @@ def build_input(
     """
     seqs = [batch.sequences[i].long() for i in indices]
     prompts = [batch.prompt_lengths[i] for i in indices]
+    with_routing = with_routing and batch.routing is not None
     if cp is not None and cp[0] > 1:
-        if batch.routing is not None:
+        if with_routing:
             raise UserError("algorithm.router_replay does not support context parallelism yet: set cp=1")
         return _context_parallel_input(seqs, prompts, list(indices), device, pad_to_multiple, packed, use_thd, cp)
     if packed:
@@ -115,7 +117,7 @@ def build_input(
         mask = torch.triu(torch.ones(1, 1, t, t, dtype=torch.bool), diagonal=1).to(device)
         psp = None
     routing = None
-    if batch.routing is not None:
+    if with_routing:  # only for a model that replays it: the reference and the critic route themselves
         routing = lay_out([batch.routing[i] for i in indices], token_spans, *tokens.shape)
     return ModelInput(
         tokens.to(device),

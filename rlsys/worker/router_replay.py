@@ -16,8 +16,11 @@ whose ids are -1 is routed by the trainer's own top-k: padding, the last token (
 dense layers, and engines that do not report it. SGLang returns ids only; without weights the trainer
 recomputes them from its own scores at the replayed experts, as megatron's ``RouterReplay`` does.
 
-Replayed weights keep their gradient: the forward uses the recorded value and the backward the router's own
-weights (``recorded + (own - own.detach())``), so the router still learns from the policy loss. Megatron's
+Replayed weights keep the router in the objective. The old-policy pass replays the record's weights and notes
+the router's own at the replayed experts (``Routing.base``); the update uses ``recorded + own - base``: the
+record exactly while the policy has not moved (ratio 1), then the router's drift on top, which the ratio and
+its clip see, with the router's own gradient. Without a base (an update that is its own old pass) it is
+``recorded + (own - own.detach())``: the record forward, the router's gradient backward. Megatron's
 routers are driven per layer through their ``router_replay`` hook and ``routing`` method, never through the
 process-global ``RouterReplay`` instance list (an actor and a reference model may share a process). The
 auxiliary load-balancing loss is off in rlsys's megatron config (``moe_aux_loss_coeff=0``): RL fine-tuning
@@ -39,11 +42,13 @@ from rlsys.errors import UserError
 
 @dataclass
 class Routing:
-    """One sample's MoE routing: ``ids`` int ``[seq_len, num_layers, top_k]`` (-1: not recorded) and the
-    matching combine ``weights`` (float32, same shape) or None."""
+    """One sample's MoE routing: ``ids`` int ``[seq_len, num_layers, top_k]`` (-1: not recorded), the matching
+    combine ``weights`` (float32, same shape) or None, and ``base``: the trainer's own weights at those experts
+    in the old-policy pass, which the update measures the router's drift from (``recorded + own - base``)."""
 
     ids: torch.Tensor
     weights: torch.Tensor | None = None
+    base: torch.Tensor | None = None
 
     def check(self, seq_len: int, num_layers: int | None = None, top_k: int | None = None, where: str = "") -> None:
         if self.ids.dim() != 3:
@@ -51,8 +56,10 @@ class Routing:
         want = (seq_len, num_layers or self.ids.shape[1], top_k or self.ids.shape[-1])
         if tuple(self.ids.shape) != want:
             raise ValueError(f"{where}routing ids have shape {tuple(self.ids.shape)}, expected {want}")
-        if self.weights is not None and self.weights.shape != self.ids.shape:
-            raise ValueError(f"{where}routing weights have shape {tuple(self.weights.shape)}, expected {want}")
+        for name in ("weights", "base"):
+            t = getattr(self, name)
+            if t is not None and t.shape != self.ids.shape:
+                raise ValueError(f"{where}routing {name} have shape {tuple(t.shape)}, expected {want}")
 
 
 def compact(ids: torch.Tensor) -> torch.Tensor:
@@ -101,18 +108,30 @@ def engine_routing(samples: Sequence, num_layers: int, top_k: int) -> list[Routi
     return out
 
 
+def update_routing(current: Sequence[Routing] | None, own: Sequence[Routing]) -> list[Routing]:
+    """What the update replays after the old-policy pass recorded ``own`` (the trainer's routing, weights and
+    base alike): ``own`` itself (R2), or the engine's ``current`` record with ``own``'s weights as its base
+    (R3; an engine record without weights replays ids only, and its weights are the router's own)."""
+    if current is None:
+        return list(own)
+    return [Routing(c.ids, c.weights, o.weights if c.weights is not None else None) for c, o in zip(current, own)]
+
+
 def lay_out(routings: Sequence[Routing], spans: Sequence[tuple[int, int, int]], rows: int, width: int):
-    """Per-sample records -> ``(ids [rows, width, L, k], weights or None)`` for a micro-batch whose sample
-    ``j`` occupies ``row, start .. start + length`` (``ModelInput.token_spans``); -1 elsewhere."""
+    """Per-sample records -> ``(ids [rows, width, L, k], weights or None, base or None)`` for a micro-batch
+    whose sample ``j`` occupies ``row, start .. start + length`` (``ModelInput.token_spans``); -1 elsewhere."""
     first = routings[0].ids
     ids = torch.full((rows, width, *first.shape[1:]), -1, dtype=torch.int32)
-    with_weights = all(r.weights is not None for r in routings)
-    weights = torch.zeros(ids.shape, dtype=torch.float32) if with_weights else None
+    out = [ids]
+    for name in ("weights", "base"):
+        every = all(getattr(r, name) is not None for r in routings) and (name == "weights" or out[1] is not None)
+        out.append(torch.zeros(ids.shape, dtype=torch.float32) if every else None)
     for r, (row, start, length) in zip(routings, spans):
         ids[row, start : start + length] = r.ids[:length]
-        if weights is not None:
-            weights[row, start : start + length] = r.weights[:length]
-    return ids, weights
+        for t, name in zip(out[1:], ("weights", "base")):
+            if t is not None:
+                t[row, start : start + length] = getattr(r, name)[:length]
+    return tuple(out)
 
 
 class _LayerReplay:
@@ -126,8 +145,9 @@ class _LayerReplay:
 
     def __init__(self, router):
         self.router = router
-        self.mode: str | None = None
-        self.target_ids = self.target_weights = None  # [tokens, k] for the next forward of this layer
+        self.mode: str | None = None  # "replay" or None (the router's own top-k)
+        self.record = False  # keep each forward's (ids, own weights)
+        self.target_ids = self.target_weights = self.target_base = None  # [tokens, k] for the next forward
         self.recorded: list[tuple[torch.Tensor, torch.Tensor]] = []  # per forward: (ids, weights)
         self.pending: deque = deque()  # full recompute: the records the backward's recomputes will replay
         self.recompute = router.config.recompute_granularity == "full"
@@ -142,20 +162,21 @@ class _LayerReplay:
         router.router_replay = self
 
     def _next_target(self) -> tuple:
-        """``(ids, weights)`` this call replays."""
+        """``(ids, weights, base)`` this call replays."""
+        target = self.target_ids, self.target_weights, self.target_base
         if not (self.recompute and self.router.training):
-            return self.target_ids, self.target_weights
+            return target
         if torch.is_grad_enabled():  # the backward's recompute
             if not self.pending:
                 raise RuntimeError("routing replay: a recompute without a recorded forward")
             return self.pending.popleft()
-        self.pending.append((self.target_ids, self.target_weights))
-        return self.target_ids, self.target_weights
+        self.pending.append(target)
+        return target
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         probs, ids = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        self._target = self._next_target() if self.mode == "replay" else (None, None)
-        target, _ = self._target
+        self._target = self._next_target() if self.mode == "replay" else (None, None, None)
+        target = self._target[0]
         if target is not None:
             target = target.to(scores.device, torch.long)
             if target.shape != ids.shape:
@@ -168,23 +189,26 @@ class _LayerReplay:
 
     def after_routing(self, probs: torch.Tensor) -> torch.Tensor:
         ids, self._ids = self._ids, None
-        (target_ids, target_weights), self._target = self._target or (None, None), None
-        if self.mode == "record":
+        (target_ids, target_weights, target_base), self._target = self._target or (None, None, None), None
+        if self.record:
             self.recorded.append((ids.to(torch.int32).cpu(), probs.detach().gather(1, ids).float().cpu()))
-        elif target_ids is not None and target_weights is not None:
-            valid = (target_ids.to(probs.device) >= 0).all(-1, keepdim=True)
-            dense = torch.zeros_like(probs).scatter(1, ids, target_weights.to(probs.device, probs.dtype))
-            # the recorded value forward, the router's own weights backward
-            probs = torch.where(valid, dense + (probs - probs.detach()), probs)
+        if target_ids is not None and target_weights is not None:
+            valid = (target_ids >= 0).all(-1, keepdim=True)
+            dense = torch.zeros_like(probs).scatter(1, ids, target_weights.to(probs.dtype))
+            if target_base is None:  # the recorded value forward, the router's own weights backward
+                moved = probs - probs.detach()
+            else:  # plus what the router moved since the old-policy pass: the ratio sees it, and is 1 before
+                moved = probs - torch.zeros_like(probs).scatter(1, ids, target_base.to(probs.dtype))
+            probs = torch.where(valid, dense + moved, probs)
         return probs
 
 
 class RouterReplay:
     """Routing record and replay for one rank's model chunks (see the module docstring).
 
-    ``start(mode)`` opens an engine run: ``"record"`` keeps each micro-batch's routing (``collect`` turns it into
-    per-sample records), ``"replay"`` sets it from ``ModelInput.routing`` before each chunk's forward
-    (``before_forward``), None leaves the routers alone."""
+    ``start(mode, record)`` opens an engine run: ``"replay"`` sets the routing from ``ModelInput.routing``
+    before each chunk's forward (``before_forward``), None leaves the routers alone; ``record`` keeps each
+    micro-batch's routing, replayed or not (``collect`` turns it into per-sample records)."""
 
     def __init__(self, chunks: Sequence[torch.nn.Module], topo, num_layers: int):
         from megatron.core.transformer.moe.router import TopKRouter
@@ -202,18 +226,26 @@ class RouterReplay:
                         )
                     layers.append((module.layer_number - 1, _LayerReplay(module)))
             self.chunk_layers[id(_unwrap(chunk))] = layers
-        if not any(self.chunk_layers.values()):
+        # a pipeline stage may hold dense layers only (DeepSeek-V3's first_k_dense_replace): it has no router
+        if not chunks[0].config.num_moe_experts:
             raise UserError("algorithm.router_replay is for MoE models; this model has no MoE layer: set it to none")
         self.top_k, self.num_experts = chunks[0].config.moe_router_topk, chunks[0].config.num_moe_experts
         self.mode: str | None = None
 
+    def finish(self) -> None:
+        """After a run: drop the replay targets (device copies of the last micro-batch's record)."""
+        for _, layer in self.layers():
+            layer.target_ids = layer.target_weights = layer.target_base = None
+            layer.pending.clear()
+
     def layers(self) -> list[tuple[int, _LayerReplay]]:
         return [entry for layers in self.chunk_layers.values() for entry in layers]
 
-    def start(self, mode: str | None) -> None:
+    def start(self, mode: str | None, record: bool = False) -> None:
         self.mode = mode
         for _, layer in self.layers():
-            layer.mode, layer.recorded, layer.target_ids, layer.target_weights = mode, [], None, None
+            layer.mode, layer.record, layer.recorded = mode, record, []
+            layer.target_ids = layer.target_weights = layer.target_base = None
             layer.pending.clear()
 
     def before_forward(self, chunk, inp) -> None:
@@ -222,18 +254,18 @@ class RouterReplay:
             return
         if inp.routing is None:
             raise RuntimeError("routing replay: the micro-batch carries no routing record")
-        ids, weights = inp.routing
+        ids, weights, base = inp.routing
         if ids.shape[-1] != self.top_k or int(ids.max()) >= self.num_experts:
             raise UserError(
                 f"routing replay: the record has top-{ids.shape[-1]} ids up to {int(ids.max())}; this model routes "
                 f"to {self.top_k} of {self.num_experts} experts: the engine serves another model than the trainer"
             )
         # one copy per micro-batch and chunk, not one per layer (GPU)
-        ids = ids.to(self.topo.device, non_blocking=True)
-        weights = None if weights is None else weights.to(self.topo.device, non_blocking=True)
+        ids, weights, base = (None if t is None else t.to(self.topo.device, non_blocking=True) for t in inp.routing)
         for layer_index, layer in self.chunk_layers[id(_unwrap(chunk))]:
-            layer.target_ids = self._local(ids[:, :, layer_index])
-            layer.target_weights = None if weights is None else self._local(weights[:, :, layer_index])
+            layer.target_ids, layer.target_weights, layer.target_base = (
+                None if t is None else self._local(t[:, :, layer_index]) for t in (ids, weights, base)
+            )
 
     def _local(self, per_token: torch.Tensor) -> torch.Tensor:
         """``[b, T, k]`` -> the router's tokens: megatron's ``[T, b]`` order, this rank's slice under SP."""
@@ -272,7 +304,10 @@ class RouterReplay:
             weights = list(flat_w.split([n * self.num_layers * self.top_k for n in lengths]))
             ids = [i.view(n, self.num_layers, self.top_k) for i, n in zip(ids, lengths)]
             weights = [w.view(n, self.num_layers, self.top_k) for w, n in zip(weights, lengths)]
-        return [Routing(compact(i), w.clamp_min(0.0)) for i, w in zip(ids, weights)]
+        for _, layer in self.layers():
+            layer.recorded = []
+        # the trainer's own routing: its weights are also the base the update measures the router's drift from
+        return [Routing(compact(i), w.clamp_min(0.0), w.clamp_min(0.0)) for i, w in zip(ids, weights)]
 
     def _full_row(self, local: torch.Tensor, b: int) -> torch.Tensor:
         """Under SP a router sees ``T / tp`` positions: gather the TP group's slices back into the row."""

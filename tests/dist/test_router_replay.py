@@ -93,13 +93,14 @@ def _max_diff(a, b):
         ("deepseek_v3", {}),
         ("deepseek_v3", {"pp": 2}),
         ("deepseek_v3", {"ep": 2}),
+        ("deepseek_v3", {"pp": 4}),  # stage 0 holds the dense layer 0 only: no router there
     ],
 )
 def test_r2_records_every_layer_and_replay_drives_the_routers(model_type, layout, checkpoints, r2_single, tmp_path):
     single = r2_single(model_type)
     if layout:
         out = str(tmp_path / "run.pt")
-        run_on_ranks(_r2_rank, 2, "cpu", checkpoints[model_type], layout, out)
+        run_on_ranks(_r2_rank, max(2, layout.get("pp", 1)), "cpu", checkpoints[model_type], layout, out)
         got = torch.load(out, weights_only=False)
     else:
         got = single
@@ -150,7 +151,7 @@ def test_r2_keeps_the_update_on_the_old_pass_routing(checkpoints, tmp_path):
 
 def _r3_rank(hf_dir, layout, samples, out):
     from rlsys.worker.batch import TrainBatch
-    from rlsys.worker.router_replay import Routing, engine_routing
+    from rlsys.worker.router_replay import engine_routing, update_routing
 
     worker, topo = _worker(hf_dir, layout, "R3")
     seqs = [torch.tensor(s.prompt_ids + s.output_ids) for s in samples]
@@ -158,7 +159,7 @@ def _r3_rank(hf_dir, layout, samples, out):
     free = worker.compute_logprobs(batch)
     batch.set_routing(engine_routing(samples, worker.engine.arch.num_layers, worker.engine.arch.moe_top_k))
     replayed = _shared(worker.compute_logprobs(batch))
-    routing = [Routing(r.ids, r.weights) for r in batch.routing]
+    routing = update_routing(batch.routing, replayed["routing"])  # what the loop gives the update
     for r in batch.routing:  # what SGLang gives: ids, no weights
         r.weights = None
     ids_only = worker.compute_logprobs(batch)

@@ -78,9 +78,11 @@ def test_micro_batch_layout_puts_each_token_s_route_at_its_position(packed):
     seqs = [torch.arange(5), torch.arange(10, 13), torch.arange(20, 24)]
     routing = [Routing(s.view(-1, 1, 1).repeat(1, 2, 2).int(), s.view(-1, 1, 1).repeat(1, 2, 2).float()) for s in seqs]
     batch = TrainBatch(seqs, [2, 1, 1], routing=routing)
-    inp = build_input(batch, [2, 0], packed=packed, device=torch.device("cpu"), pad_to_multiple=4)
-    ids, weights = inp.routing
-    assert ids.shape[:2] == inp.tokens.shape
+    inp = build_input(batch, [2, 0], packed=packed, device=torch.device("cpu"), pad_to_multiple=4, with_routing=True)
+    # a model that does not replay (the reference, the critic) gets no record
+    assert build_input(batch, [2, 0], packed=packed, device=torch.device("cpu")).routing is None
+    ids, weights, base = inp.routing
+    assert ids.shape[:2] == inp.tokens.shape and base is None
     # every real token carries its own id (the test's routes equal the token ids); padding is -1
     real = ids[..., 0, 0] >= 0
     assert torch.equal(ids[..., 0, 0][real], inp.tokens[real].int())
@@ -98,8 +100,8 @@ def test_ids_take_the_smallest_type_that_holds_them():
 
 def test_lay_out_without_weights_when_any_sample_lacks_them():
     r = [Routing(torch.zeros(2, 1, 1, dtype=torch.int32), torch.ones(2, 1, 1)), Routing(torch.zeros(3, 1, 1).int())]
-    ids, weights = lay_out(r, [(0, 0, 2), (1, 0, 3)], rows=2, width=3)
-    assert weights is None and ids[0, 2, 0, 0] == -1 and ids[1, 2, 0, 0] == 0
+    ids, weights, base = lay_out(r, [(0, 0, 2), (1, 0, 3)], rows=2, width=3)
+    assert weights is None and base is None and ids[0, 2, 0, 0] == -1 and ids[1, 2, 0, 0] == 0
 
 
 def test_engine_keeps_the_first_route_of_a_position_after_a_retract():
@@ -129,3 +131,53 @@ def test_multi_turn_trajectory_keeps_each_turn_s_routes():
     assert s.routed_experts.tolist() == [10, 11, 12, 23, 24]
     (r,) = engine_routing([s], num_layers=1, top_k=1)
     assert r.ids.shape == (6, 1, 1)
+
+
+def test_update_routing_pairs_the_engine_s_record_with_the_old_pass_s_own_weights():
+    from rlsys.worker.router_replay import update_routing
+
+    ids = torch.zeros(3, 1, 2, dtype=torch.int8)
+    engine, own = Routing(ids, torch.full((3, 1, 2), 0.5)), Routing(ids, torch.full((3, 1, 2), 0.4))
+    (r3,) = update_routing([engine], [own])
+    assert r3.ids is ids and r3.weights is engine.weights and r3.base is own.weights
+    (ids_only,) = update_routing([Routing(ids)], [own])  # SGLang: ids only, the router's own weights
+    assert ids_only.weights is None and ids_only.base is None
+    assert update_routing(None, [own]) == [own]  # R2: the old pass's own record
+
+
+class _Router:
+    """What _LayerReplay touches of megatron's TopKRouter."""
+
+    training = True
+
+    class config:
+        recompute_granularity = None
+
+    def __init__(self, probs):
+        self.probs = probs
+
+    def routing(self, logits, padding_mask=None):
+        return self.probs(logits), None
+
+
+@pytest.mark.parametrize("with_base", [False, True])
+def test_replayed_weights_are_the_record_forward_and_the_router_s_backward(with_base):
+    from rlsys.worker.router_replay import _LayerReplay
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]], requires_grad=True)
+
+    def megatron_probs(x):  # megatron's dense probs: the softmax at the chosen experts, 0 elsewhere
+        return torch.zeros_like(x).scatter(1, layer._ids, x.softmax(-1).gather(1, layer._ids))
+
+    layer = _LayerReplay(_Router(megatron_probs))
+    layer.mode, layer.target_ids = "replay", torch.tensor([[3, 0]])
+    layer.target_weights = torch.tensor([[0.25, 0.75]])
+    own = logits.detach().softmax(-1)[0, [3, 0]]
+    layer.target_base = own.clone().view(1, 2) if with_base else None
+    # megatron's top-k call, then its routing
+    layer.get_replay_topk(logits, 2, default_compute_topk=lambda scores, k, **_: torch.topk(scores, k))
+    probs, _ = layer.router.routing(logits)
+    assert probs[0, 3] == 0.25 and probs[0, 0] == 0.75 and probs[0, 1] == 0  # exactly the record
+    probs[0, 3].backward()
+    want = torch.autograd.grad(logits.softmax(-1)[0, 3], logits)[0]
+    torch.testing.assert_close(logits.grad, want)  # the router's own gradient
