@@ -75,6 +75,7 @@ def build_input(
     ``T`` (MoE with megatron's allgather dispatcher needs equal micro-batch shapes on all ranks).
     ``use_thd`` passes ``PackedSeqParams`` instead of a ``T x T`` mask (transformer-engine).
     ``cp = (size, rank, group)`` gives this rank its load-balanced slice of a packed THD row.
+    ``with_routing`` lays the batch's MoE routing record out as the rows are (a model that replays it).
     """
     seqs = [batch.sequences[i].long() for i in indices]
     prompts = [batch.prompt_lengths[i] for i in indices]
