@@ -183,7 +183,6 @@ def _engine_source(cfg: RunConfig, mode: str, model_dir: str, placement, prompts
         routed_experts=cfg.algorithm.router_replay == "R3",
     )
     closers.append((engines.close, engines.close))
-    engines.return_routed_experts = cfg.algorithm.router_replay == "R3"  # every generate asks for the routes
     driver, turns = None, cfg.rollout.multi_turn
     if turns.env:
         driver = MultiTurnDriver(engines, prompts.tokenizer, turns, cfg.data.chat_template == "tokenizer")

@@ -70,7 +70,7 @@ class AgentDriver:
             for s in pieces:
                 s.prompt_index, s.text = i, answer if isinstance(answer, str) else None
             samples += pieces
-        if self._pool.abandoned > 4 * self.cfg.concurrency:
+        if self._pool.leaking:
             raise RuntimeError(
                 f"rollout.multi_turn.agent {self.cfg.agent!r}: {self._pool.abandoned} calls never returned (each "
                 f"keeps a thread running); it must finish within rollout.multi_turn.agent_timeout_s"

@@ -5,8 +5,9 @@ worker for good: after ``max_workers`` of them every later call queues forever (
 run goes on producing nothing), and at interpreter exit ``concurrent.futures`` joins its workers, so the
 process never ends. Here workers are daemon threads, and a caller that gives up on a call (``abandon``,
 after its timeout) gets a fresh worker in its place: the stuck thread runs on, holding nothing the pool
-needs, and dies with the process. ``abandoned`` counts them, so a caller can stop a run whose user code
-leaks threads without bound.
+needs, and dies with the process. ``abandoned`` counts them, and ``leaking`` says when there are more than
+``MAX_ABANDONED_PER_WORKER`` per worker, so a caller can stop a run whose user code leaks threads without
+bound.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import queue
 import threading
 from concurrent.futures import Future
+
+MAX_ABANDONED_PER_WORKER = 4
 
 
 class DaemonPool:
@@ -42,6 +45,10 @@ class DaemonPool:
                 if id(future) in self._lost:  # a replacement took this thread's place while it ran
                     self._lost.discard(id(future))
                     return
+
+    @property
+    def leaking(self) -> bool:
+        return self.abandoned > MAX_ABANDONED_PER_WORKER * self._workers
 
     def submit(self, fn, *args) -> Future:
         future: Future = Future()

@@ -386,11 +386,13 @@ def start_engines(
     ``placement`` gives them (each through an ``EngineHost`` actor on its node), or without a placement as
     local processes on the first devices of this machine. ``memory_saver``: SGLang's
     ``--enable-memory-saver``, for engines that release their memory between rollouts. ``routed_experts``:
-    ``--enable-return-routed-experts`` (MoE routing replay R3). Engine ``i`` is
+    ``--enable-return-routed-experts`` and every generate asking for the routes (MoE routing replay R3). Engine ``i`` is
     seeded ``seed + i``: engines with one seed would draw the same samples for the same batch."""
     os.makedirs(log_dir, exist_ok=True)
     if cfg.urls:
-        return EnginePool.attach(cfg.urls, timeout_s=cfg.sync.timeout_s, api_key=cfg.api_key)
+        pool = EnginePool.attach(cfg.urls, timeout_s=cfg.sync.timeout_s, api_key=cfg.api_key)
+        pool.return_routed_experts = routed_experts  # their command line must have the flag
+        return pool
     if cfg.weight_dtype == "fp8":
         from rlsys.architectures.fp8 import write_fp8_checkpoint
 
@@ -425,13 +427,15 @@ def start_engines(
         log = os.path.join(log_dir, "sglang_router.log")
         router = sglang_router(urls, python=cfg.sglang_python, log_file=log, api_key=api_key if keyed else None)
     health_timeout_s = 900 if cfg.engine == "sglang" else 300
-    return EnginePool.launch(
+    pool = EnginePool.launch(
         servers,
         router=router,
         timeout_s=cfg.sync.timeout_s,
         health_timeout_s=health_timeout_s,
         api_key=api_key if keyed else None,
     )
+    pool.return_routed_experts = routed_experts
+    return pool
 
 
 def _placed_command(build, index: int, gpu: int, host: str, port: int) -> list:

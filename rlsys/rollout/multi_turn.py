@@ -27,8 +27,6 @@ from rlsys.rollout.chat_glue import ChatGlue
 from rlsys.rollout.daemon_pool import DaemonPool
 from rlsys.rollout.protocol import Sample
 
-MAX_STUCK_PER_WORKER = 4  # environment steps that never returned, per rollout.multi_turn.concurrency: then stop
-
 
 @dataclass
 class Trajectory:
@@ -76,7 +74,7 @@ class Trajectory:
 
 def _extend(known: np.ndarray | None, record: np.ndarray | None) -> np.ndarray | None:
     """A turn's routes (its whole context, flat) after the positions earlier turns recorded."""
-    if record is None or known is None:
+    if known is None or record is None:
         return record if known is None else known
     return np.concatenate([known, record[known.size :]])
 
@@ -179,7 +177,7 @@ class MultiTurnDriver:
                 what = type(r).__name__
                 r = StepResult(f"error: the environment returned {what}, not a StepResult", info={"env_errors": 1})
             results.append(r)
-        if self._pool.abandoned > MAX_STUCK_PER_WORKER * self.cfg.concurrency:
+        if self._pool.leaking:
             raise RuntimeError(
                 f"environment {self.cfg.env!r}: {self._pool.abandoned} steps never returned (each keeps a thread "
                 f"running); its step must finish, or fail, within rollout.multi_turn.tool_timeout_s={limit:g}"

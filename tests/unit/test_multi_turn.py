@@ -436,10 +436,10 @@ def test_steps_that_never_return_neither_starve_the_pool_nor_hold_the_process(mo
 
 def test_an_environment_that_keeps_hanging_stops_the_run(monkeypatch):
     import rlsys.envs.registry as registry
-    import rlsys.rollout.multi_turn as multi_turn
+    import rlsys.rollout.daemon_pool as daemon_pool
 
     monkeypatch.setitem(registry.BUILTIN, "never", f"{__name__}:NeverReturns")
-    monkeypatch.setattr(multi_turn, "MAX_STUCK_PER_WORKER", 1)
+    monkeypatch.setattr(daemon_pool, "MAX_ABANDONED_PER_WORKER", 1)
     tok = SyntheticTokenizer(tools=True)
     engines = ScriptedEngines(tok, ["<tool_call> a </tool_call>"] * 4)
     driver = _driver(tok, engines, False, env="never", tool_timeout_s=0.2, concurrency=1, max_turns=4)
