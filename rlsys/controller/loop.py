@@ -95,7 +95,7 @@ def learn(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
                 old = actor.compute_logprobs(batch, with_entropy=True)
                 batch.set("old_logp", old["logp"])
                 if algo.router_replay != "none":  # the update replays the routing these log-probs came from
-                    batch.set_routing(update_routing(batch.routing, old["routing"]))
+                    batch.set_routing(update_routing(batch.routing, old.get("routing")))
             ref_logp = values = None
             if ref is not None:
                 with turns.on_device(ref):

@@ -73,7 +73,10 @@ class PolicyWorker:
         the update to replay (``router_replay.update_routing``)."""
         groups, fixed = self.engine.plan_microbatches(batch, "actor.batch.max_tokens_per_microbatch")
         inputs = self.engine.inputs(batch, groups, fixed)
-        record = self.engine.replay is not None
+        # the routing used, for the update to replay: the trainer's own (R2), or its own weights at the engine's
+        # experts (R3) where the engine gave weights (ids alone replay without a record of this pass)
+        given = batch.routing
+        record = self.engine.replay is not None and (given is None or all(r.weights is not None for r in given))
 
         def collect(output, inp: ModelInput):
             logp, ent = self._logprobs(output, inp, with_entropy)

@@ -108,12 +108,12 @@ def engine_routing(samples: Sequence, num_layers: int, top_k: int) -> list[Routi
     return out
 
 
-def update_routing(current: Sequence[Routing] | None, own: Sequence[Routing]) -> list[Routing]:
+def update_routing(current: Sequence[Routing] | None, own: Sequence[Routing] | None) -> list[Routing]:
     """What the update replays after the old-policy pass recorded ``own`` (the trainer's routing, weights and
     base alike): ``own`` itself (R2), or the engine's ``current`` record with ``own``'s weights as its base
     (R3; an engine record without weights replays ids only, and its weights are the router's own)."""
-    if current is None:
-        return list(own)
+    if current is None or own is None:
+        return list(current if own is None else own)
     return [Routing(c.ids, c.weights, o.weights if c.weights is not None else None) for c, o in zip(current, own)]
 
 
