@@ -7,6 +7,8 @@
 * ``RLSYS_FAULT_ENGINE_DIES=generate:2`` (or ``update_weights_from_distributed:3``...): the CPU engine
   process exits at once on its 2nd call of that endpoint, with the request in flight; once per run, as the
   file ``RLSYS_FAULT_ONCE`` (a path) records, so that the restarted engine lives.
+* ``RLSYS_FAULT_SLOW_ENGINE=0.02``: the CPU engine waits this many seconds before each forward, as an engine
+  with a longer decode would (generation then outlasts training: weight syncs land mid-generation).
 * ``RLSYS_FAULT_ENOSPC_IN_SAVE=2``: rank 0's writes of the step-2 checkpoint fail with ENOSPC (a full disk)
   after the shards, where its metadata and ``train_state.json`` go.
 * ``RLSYS_FAULT_KILL_IN_SAVE=2``: rank 0 SIGKILLs its own process while writing the step-2 checkpoint,
@@ -30,10 +32,16 @@ KILL_RANK = PREFIX + "KILL_RANK"
 ENOSPC_IN_SAVE = PREFIX + "ENOSPC_IN_SAVE"
 ENGINE_DIES = PREFIX + "ENGINE_DIES"
 ONCE = PREFIX + "ONCE"
+SLOW_ENGINE = PREFIX + "SLOW_ENGINE"
 
 
 def fault_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(PREFIX)}
+
+
+def slow_engine_s() -> float:
+    """Seconds the CPU engine waits before each forward (0 unless ``RLSYS_FAULT_SLOW_ENGINE`` says)."""
+    return float(os.environ.get(SLOW_ENGINE, "0") or 0)
 
 
 def nan_update(count: int) -> bool:

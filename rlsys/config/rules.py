@@ -55,6 +55,7 @@ def check_fields(cfg: RunConfig) -> None:
     _positive(cfg.logging, "logging", "log_every")
     _check_cross_section(cfg)
     _check_router_replay(cfg)
+    _check_fully_async(cfg)
 
 
 def _check_router_replay(cfg: RunConfig) -> None:
@@ -81,6 +82,42 @@ def _check_router_replay(cfg: RunConfig) -> None:
             "R3 replays the engine's routes, which the OpenAI endpoint does not record: use an environment "
             "(rollout.multi_turn.env) or algorithm.router_replay: R2",
         )
+
+
+def _check_fully_async(cfg: RunConfig) -> None:
+    f, pause = cfg.trainer.fully_async, cfg.rollout.sync.pause_mode
+    _positive(f, "trainer.fully_async", "sync_every", "queue_batches")
+    _need(
+        f.max_staleness >= f.sync_every,
+        "trainer.fully_async.max_staleness",
+        f.max_staleness,
+        f"must be >= trainer.fully_async.sync_every ({f.sync_every}): between two syncs the engines serve one "
+        "version while the trainer moves on, so fresher samples cannot exist",
+    )
+    if cfg.trainer.async_mode != "fully_async":
+        return
+    if f.partial_rollout == "continue":
+        _need(
+            pause != "abort",
+            "rollout.sync.pause_mode",
+            pause,
+            "trainer.fully_async.partial_rollout: continue keeps requests across a sync: set pause_mode to auto, "
+            "in_place or retract (or partial_rollout: abort)",
+        )
+    elif f.partial_rollout == "abort":
+        _need(
+            pause in ("auto", "abort"),
+            "rollout.sync.pause_mode",
+            pause,
+            "trainer.fully_async.partial_rollout: abort generates cut requests again: set pause_mode to auto or abort",
+        )
+    turns = cfg.rollout.multi_turn
+    _need(
+        not (turns.env or turns.agent) or f.partial_rollout != "abort",
+        "trainer.fully_async.partial_rollout",
+        f.partial_rollout,
+        "abort cannot regenerate one turn of a multi-turn trajectory: use continue or wait",
+    )
 
 
 def _check_role(role: RoleConfig, name: str) -> None:

@@ -121,6 +121,11 @@ class SyncConfig:
     verify: bool = False  # after each sync compare per-tensor checksums of every engine with the trainer's
     # after a full sync, send only the elements that changed (rlsys.sync.delta; rlsys's CPU engine only)
     delta: bool = False
+    # what happens to requests still generating when a sync pauses the engines: abort (they end, finish_reason
+    # "abort"), in_place (parked with their KV cache, then continued on the new weights: partial rollouts),
+    # retract (parked, their KV cache recomputed on the new weights); auto: in_place under
+    # trainer.fully_async.partial_rollout: continue, else abort
+    pause_mode: Literal["auto", "abort", "in_place", "retract"] = "auto"
 
 
 @dataclass
@@ -363,6 +368,22 @@ class RewardConfig:
 
 
 @dataclass
+class FullyAsyncConfig:
+    """``trainer.async_mode: fully_async`` (rlsys.controller.stream): a producer thread keeps the engines
+    generating scored groups into a bounded queue; each step trains on the first ``data.prompts_per_step``
+    groups that are fresh enough."""
+
+    # a group is dropped (and counted) when its oldest token is more than this many weight versions behind the
+    # step that would train on it; >= sync_every, since samples wait up to sync_every - 1 updates for a sync
+    max_staleness: int = 2
+    sync_every: int = 1  # updates between weight syncs (and the last update)
+    queue_batches: int = 1  # scored groups kept waiting, in steps' worth (data.prompts_per_step groups each)
+    # requests in flight at a weight sync: continue (paused in place, continued on the new weights; each token's
+    # version is kept), abort (cut short and generated again on the new weights), wait (the sync waits for them)
+    partial_rollout: Literal["continue", "abort", "wait"] = "continue"
+
+
+@dataclass
 class TrainerConfig:
     steps: int = 100  # RL steps (rollout + update)
     output_dir: str = "outputs/run"
@@ -378,8 +399,9 @@ class TrainerConfig:
     eval_before_train: bool = False  # also evaluate before step 1 (logged as step 0), as verl's val_before_train
     export_hf: bool = True  # convert the final actor checkpoint to HF format (output_dir/hf_export)
     # sync: generate, then train; one_step_off: step n+1's batch is generated while step n trains (one
-    # version stale; rlsys.controller.ahead)
-    async_mode: Literal["sync", "one_step_off"] = "sync"
+    # version stale; rlsys.controller.ahead); fully_async: generation never stops (trainer.fully_async)
+    async_mode: Literal["sync", "one_step_off", "fully_async"] = "sync"
+    fully_async: FullyAsyncConfig = field(default_factory=FullyAsyncConfig)
 
 
 @dataclass

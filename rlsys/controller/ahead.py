@@ -3,7 +3,7 @@
 The engines and the trainer otherwise take turns idling. Here, as soon as step n's batch is handed to the
 trainer, a background thread asks the engines for step n+1's (same prompts source, same per-step seeds,
 same reward scoring), on the weights they hold: the policy before update n. Before the weight sync that
-follows update n, ``settle`` waits for that batch, so no generation straddles a sync and every sample comes
+follows update n, ``around_sync`` waits for that batch, so no generation straddles a sync and every sample comes
 from exactly one version, one behind the trainer (staleness 1; step 1's batch has 0). The engines'
 log-probs come with every sample, so ``algorithm.mismatch`` (TIS/MIS) corrects the one-step lag where it is
 set. Step time becomes about max(rollout, training) + sync instead of their sum.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 from rlsys.controller.metrics import Timer
 from rlsys.controller.replay import load_rollout, save_rollout
@@ -62,11 +63,14 @@ class AheadRollout:
         spent = Timer()
         return self.source.next_batch(step, spent), spent
 
-    def settle(self) -> None:
-        """Wait for the batch in flight (before a weight sync: it finishes on the weights it started with).
-        Its error, if any, is raised by the ``next_batch`` that takes it."""
-        if self._next is not None:
-            self._next[1].exception()
+    @contextmanager
+    def around_sync(self, timer: Timer):
+        """Wait for the batch in flight (``time/rollout_wait_s``) before a weight sync: it finishes on the
+        weights it started with. Its error, if any, is raised by the ``next_batch`` that takes it."""
+        with timer("rollout_wait"):
+            if self._next is not None:
+                self._next[1].exception()
+        yield
 
     def keep_pending(self, step: int) -> None:
         """Save the batch generated for step ``step + 1`` beside the checkpoint of step ``step``; older ones

@@ -135,11 +135,10 @@ def learn(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
                 batch.set("old_logp", old["logp"])
                 old_logp = batch.padded("old_logp")
 
-        # 7. weight sync: the engines serve the new policy for the next step
-        with t("rollout_wait"):
-            run.source.settle()  # one_step_off: the batch generated meanwhile ends on the weights it began with
-        with t("sync"):
-            metrics.update(run.weights.after_update(n))
+        # 7. weight sync: the engines serve the new policy (fully_async: every sync_every updates)
+        if run.weights.due(n):
+            with run.source.around_sync(t), t("sync"):  # one_step_off: after the batch in flight
+                metrics.update(run.weights.after_update(n))
     turns.engine_cache_back()
 
     if m.mode == "none":

@@ -8,6 +8,7 @@ temporary name and renamed, so a crash never leaves a truncated batch behind.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -25,7 +26,8 @@ def rollout_dir(output_dir: str) -> str:
     return os.path.join(output_dir, "rollouts")
 
 
-def save_rollout(directory: str, step: int, batch: RolloutBatch) -> str:
+def save_rollout(directory: str, step: int, batch: RolloutBatch, extra: dict | None = None) -> str:
+    """``extra``: what else the file keeps (plain values and tensors; ``load_rollout(with_extra=True)``)."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"step_{step:06d}.pt")
     record = {
@@ -35,6 +37,7 @@ def save_rollout(directory: str, step: int, batch: RolloutBatch) -> str:
         "scores": batch.scores.to(torch.float32),
         "group_ids": [int(g) for g in batch.group_ids],
         "reward_metrics": {k: float(v) for k, v in batch.metrics.items()},
+        "extra": extra or {},
     }
     torch.save(record, path + ".tmp")
     os.replace(path + ".tmp", path)
@@ -54,12 +57,13 @@ def saved_steps(directory: str) -> list[str]:
     return [os.path.join(directory, f) for f in files]
 
 
-def load_rollout(path: str) -> RolloutBatch:
-    """The batch ``save_rollout`` wrote."""
+def load_rollout(path: str, with_extra: bool = False):
+    """The batch ``save_rollout`` wrote (and its ``extra``, with ``with_extra``)."""
     try:
         record = torch.load(path, weights_only=True)
         samples = [Sample(**_arrays(s)) for s in record["samples"]]
-        return RolloutBatch(samples, record["texts"], record["scores"], record["group_ids"], record["reward_metrics"])
+        batch = RolloutBatch(samples, record["texts"], record["scores"], record["group_ids"], record["reward_metrics"])
+        return (batch, record.get("extra", {})) if with_extra else batch
     except (OSError, RuntimeError, KeyError, TypeError, EOFError) as e:
         hint = "regenerate it with --rollout-only"
         raise UserError(f"--train-only: cannot read rollout batch '{path}' ({e}); {hint}") from e
@@ -88,8 +92,8 @@ class Replay:
     def evaluate(self) -> dict:
         return {}  # no engines to generate with
 
-    def settle(self) -> None:
-        pass
+    def around_sync(self, timer):
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         pass

@@ -29,10 +29,11 @@ from rlsys.controller.group import RoleGroup
 from rlsys.controller.placement import Placement
 from rlsys.controller.replay import Replay, rollout_dir
 from rlsys.controller.setup import prepare_model_dir, role_spec, start_ray
+from rlsys.controller.stream import StreamRollout
 from rlsys.controller.weights import EngineSync, NoSync
 from rlsys.data.prompts import PromptSource
 from rlsys.envs.registry import env_tools
-from rlsys.plan import enabled_roles, sync_load_format, sync_transports
+from rlsys.plan import enabled_roles, sync_load_format, sync_pause_mode, sync_transports
 from rlsys.rollout.agent import AgentDriver, agent_function
 from rlsys.rollout.batch import EngineRollout
 from rlsys.rollout.launch import start_engines
@@ -51,7 +52,7 @@ MODES = ("full", "rollout", "train")
 class Run:
     cfg: RunConfig
     prompts: PromptSource
-    source: EngineRollout | AheadRollout | Replay
+    source: EngineRollout | AheadRollout | StreamRollout | Replay
     roles: dict[str, RoleGroup]  # enabled roles by name; none in rollout mode
     turns: Turns
     weights: EngineSync | NoSync
@@ -130,7 +131,7 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
     syncing = actor is not None and engines is not None
     offloaded = {role for role in roles if getattr(cfg, role).offload}
     turns = Turns(roles, offloaded, engines, releases_engine_memory(cfg) and syncing)
-    keep = source.keep_pending if isinstance(source, AheadRollout) else None
+    keep = source.keep_pending if isinstance(source, (AheadRollout, StreamRollout)) else None
     checkpoints = Checkpoints(cfg.trainer, actor, critic, turns, keep) if actor is not None else NoCheckpoints()
     kl = _kl_controller(cfg)
     start, state = 0, checkpoints.resume()
@@ -140,12 +141,16 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
         kl.beta = state["extra"].get("kl_coef", kl.beta)
         if isinstance(source, AheadRollout):
             source.resume(start + 1)
-    weights = EngineSync(actor, engines, turns, version=start + 1) if syncing else NoSync()
+        elif isinstance(source, StreamRollout):
+            source.resume(start)
+    t = cfg.trainer
+    every = t.fully_async.sync_every if t.async_mode == "fully_async" else 1
+    weights = EngineSync(actor, engines, turns, start + 1, every, t.steps) if syncing else NoSync()
     if syncing:
         actor.setup_sync(
             engines.urls,
             [cfg.rollout.tp] * len(engines.urls),
-            dataclasses.replace(cfg.rollout.sync, load_format=sync_load_format(cfg)),
+            dataclasses.replace(cfg.rollout.sync, load_format=sync_load_format(cfg), pause_mode=sync_pause_mode(cfg)),
             cfg.cluster.device,
             cfg.rollout.weight_dtype,
             engines.api_key,
@@ -169,7 +174,7 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
 
 def _engine_source(cfg: RunConfig, mode: str, model_dir: str, placement, prompts, rewards, closers: list) -> tuple:
     """The engines and where batches come from with them: ``EngineRollout`` (multi-turn with an environment),
-    generated one step ahead in ``one_step_off``."""
+    generated one step ahead in ``one_step_off``, streamed in ``fully_async``."""
     out_dir = cfg.trainer.output_dir
     engines = start_engines(
         cfg.rollout,
@@ -198,6 +203,11 @@ def _engine_source(cfg: RunConfig, mode: str, model_dir: str, placement, prompts
     )
     if cfg.trainer.async_mode == "one_step_off" and mode == "full":
         source = AheadRollout(source, cfg.trainer.steps, pending_dir(out_dir))
+        closers.append((source.close, functools.partial(source.close, wait=False)))
+    elif cfg.trainer.async_mode == "fully_async" and mode == "full":
+        queue = os.path.join(pending_dir(out_dir), "queue")
+        ds = cfg.algorithm.filters.dynamic_sampling
+        source = StreamRollout(source, cfg.trainer.fully_async, ds, queue, cfg.trainer.keep_last)
         closers.append((source.close, functools.partial(source.close, wait=False)))
     return engines, source
 

@@ -11,10 +11,15 @@ logger = logging.getLogger(__name__)
 
 
 class EngineSync:
-    """``version`` is the weight version the engines serve: the step whose rollout they generate next."""
+    """``version`` is the weight version the engines serve: the step after the last update they got.
+    ``every``: updates between syncs (``trainer.fully_async.sync_every``); ``last_step`` always syncs."""
 
-    def __init__(self, actor, engines, turns: Turns, version: int):
+    def __init__(self, actor, engines, turns: Turns, version: int, every: int = 1, last_step: int = 0):
         self.actor, self.engines, self.turns, self.version = actor, engines, turns, version
+        self.every, self.last_step = every, last_step
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0 or step == self.last_step
 
     def start(self) -> None:
         """The engines start from the HF files (or lag a resumed checkpoint): give them the actor's weights,
@@ -38,6 +43,9 @@ class EngineSync:
 class NoSync:
     def start(self) -> None:
         pass
+
+    def due(self, step: int) -> bool:
+        return True
 
     def after_update(self, step: int) -> dict:
         return {}

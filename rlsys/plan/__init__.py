@@ -24,6 +24,7 @@ from rlsys.plan.devices import (
     rollout_devices,
     sequence_length,
     sync_load_format,
+    sync_pause_mode,
     sync_transports,
     total_devices,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "rollout_devices",
     "sequence_length",
     "sync_load_format",
+    "sync_pause_mode",
     "sync_transports",
     "total_devices",
     "validate_layout",

@@ -103,3 +103,14 @@ def sync_load_format(cfg: RunConfig) -> str:
     if fmt != "auto":
         return fmt
     return "per_tensor" if cfg.rollout.engine == "cpu" else "flattened_bucket"
+
+
+def sync_pause_mode(cfg: RunConfig) -> str:
+    """``rollout.sync.pause_mode`` resolved. ``auto``: ``in_place`` where a fully asynchronous run continues
+    its requests across a sync (``trainer.fully_async.partial_rollout: continue``), else ``abort`` (nothing is
+    in flight at a sync of the other modes)."""
+    mode = cfg.rollout.sync.pause_mode
+    if mode != "auto":
+        return mode
+    t = cfg.trainer
+    return "in_place" if t.async_mode == "fully_async" and t.fully_async.partial_rollout == "continue" else "abort"

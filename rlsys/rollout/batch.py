@@ -7,6 +7,7 @@ sampling draws more prompts until enough groups carry a signal, the overlong pen
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from rlsys.rewards.manager import RewardManager
     from rlsys.rollout.multi_turn import MultiTurnDriver
     from rlsys.rollout.pool import EnginePool
+
+MAX_REGENERATIONS = 8  # syncs in a row that may cut one round's samples short (partial_rollout: abort)
 
 
 @dataclass
@@ -66,21 +69,40 @@ class EngineRollout:
         self.sampling, self.filters, self.seed = sampling, filters, seed
         self.driver = driver  # multi-turn: trajectories with tool calls instead of single generations
         self.stop_ids = [prompts.tokenizer.eos_token_id]
+        # fully_async with partial_rollout: abort: samples a weight sync cut short are generated again
+        self.regenerate_aborted = False
 
     def _generate(self, prompts, params: dict) -> tuple[list[Sample], dict]:
         if self.driver is not None:
             return self.driver.generate(prompts, params)
-        return self.engines.generate([p.ids for p in prompts], params), {}
+        samples = self.engines.generate([p.ids for p in prompts], params)
+        if not self.regenerate_aborted:
+            return samples, {}
+        redone = 0
+        for attempt in range(1, MAX_REGENERATIONS + 1):
+            cut = [i for i, s in enumerate(samples) if s.finish_reason == "abort"]
+            if not cut:
+                return samples, {"rollout/regenerated_samples": float(redone)}
+            seed = params.get("sampling_seed")
+            again = dict(params, n=1, **({} if seed is None else {"sampling_seed": seed + attempt * 7919}))
+            for i, new in zip(cut, self.engines.generate([prompts[samples[i].prompt_index].ids for i in cut], again)):
+                new.prompt_index = samples[i].prompt_index
+                samples[i] = new
+            redone += len(cut)
+        raise RuntimeError(
+            f"samples were cut short by {MAX_REGENERATIONS} weight syncs in a row; raise trainer.fully_async."
+            "sync_every, or set trainer.fully_async.partial_rollout: continue"
+        )
 
     def next_batch(self, step: int, timer) -> RolloutBatch:
         """The step's batch; ``timer`` accounts generation and scoring as ``rollout`` and ``reward``."""
         ds = self.filters.dynamic_sampling
         if not ds.enabled:
-            return self._scored_round(step, timer)
+            return self.scored_round(step, timer)
         sampler = DynamicSampler(self.prompts.batch_size, ds.max_rounds, ds.on_exhausted)
         metrics: dict = {}
         while not (sampler.done or sampler.exhausted):
-            rolled = self._scored_round(step, timer)
+            rolled = self.scored_round(step, timer)
             metrics.update(rolled.metrics)
             sampler.add(
                 list(zip(rolled.samples, rolled.texts, rolled.scores.tolist())), rolled.scores, rolled.group_ids
@@ -91,7 +113,8 @@ class EngineRollout:
         scores = torch.tensor([r[2] for _, r in rows])
         return RolloutBatch(samples, texts, scores, [g for g, _ in rows], {**metrics, **ds_metrics})
 
-    def _scored_round(self, step: int, timer) -> RolloutBatch:
+    def scored_round(self, step: int, timer) -> RolloutBatch:
+        """One round: ``prompts_per_step`` prompts, their samples, scores and shaping (no filtering)."""
         prompts = self.prompts.next_batch()
         with timer("rollout"):
             # one seed per (run, step, round): distinct across steps, identical when a step is redone
@@ -146,8 +169,9 @@ class EngineRollout:
             metrics["eval/tool_use"] = turn_metrics.get("rollout/tool_use", 0.0)
         return metrics
 
-    def settle(self) -> None:
-        """No batch is ever in flight here (``rlsys.controller.ahead`` generates ahead)."""
+    def around_sync(self, timer):
+        """No batch is ever in flight here during a sync (``rlsys.controller.ahead`` and ``stream`` differ)."""
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         self.rewards.close()

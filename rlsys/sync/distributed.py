@@ -28,7 +28,8 @@ exported tensors of the bucket being filled, and, while the main thread waits fo
 finish, the one tensor that did not fit into the bucket before. A writer holds at most two buckets
 (one being filled, one being sent) and one host send buffer.
 
-Around the buckets rank 0 pauses generation, flushes the engines' caches once and opens each engine's
+Around the buckets rank 0 pauses generation (``pause_mode``: abort, or in_place/retract for partial rollouts),
+flushes the engines' caches once (not under in_place: parked requests keep theirs) and opens each engine's
 weight-update session (``begin_weight_update``, SGLang 0.5.21+), and at the end closes the sessions (the
 engine finalizes the new weights there, e.g. re-packs them for AMX on CPU) and continues generation.
 
@@ -82,7 +83,7 @@ import torch.distributed as dist
 from rlsys.architectures.fp8 import quantize_named_tensors
 from rlsys.local_ranks import listening_store, node_address
 from rlsys.megatron.export import is_dense_writer, is_expert_writer, iter_hf_tensors
-from rlsys.rollout.protocol import needs_weight_update_session
+from rlsys.rollout.protocol import PAUSE_MODES, needs_weight_update_session
 from rlsys.sync.buckets import Bucket, Bucketer, Handoff, WriterFailed, recv_bucket, send_bucket, send_end
 from rlsys.sync.colocated import serialize_flattened_bucket
 from rlsys.sync.delta import DeltaEncoder, apply_delta
@@ -141,7 +142,10 @@ class DistributedWeightSync:
         weight_dtype: str = "auto",
         transports: list[str] | None = None,
         delta: bool = False,
+        pause_mode: str = "abort",
     ):
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"sync.pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         if weight_dtype not in ("auto", "fp8"):
             raise ValueError(f"rollout.weight_dtype must be 'auto' or 'fp8', got {weight_dtype!r}")
         if load_format not in ("flattened_bucket", "per_tensor"):
@@ -155,6 +159,7 @@ class DistributedWeightSync:
         self.tensor_engines = [(e, tp) for e, tp, t in zip(engines, engine_tp, self.transports) if t == "tensor"]
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.load_format, self.backend, self.timeout_s = load_format, backend, timeout_s
+        self.pause_mode = pause_mode  # in_place: requests in flight go on with the new weights (partial rollouts)
         self.master_address = master_address or node_address()  # rank 0's node, as its engines' hosts see it
         self.group_name = group_name
         self.verify, self.weight_dtype = verify, weight_dtype
@@ -350,9 +355,10 @@ class DistributedWeightSync:
         if not self.connected:
             self.connect()
         for e in self.engines:
-            e.pause_generation(timeout_s=self.timeout_s)
-        for e in self.engines:
-            e.flush_cache(timeout_s=self.timeout_s)
+            e.pause_generation(self.pause_mode, timeout_s=self.timeout_s)
+        if self.pause_mode != "in_place":  # parked requests keep their KV cache, and SGLang then refuses a flush
+            for e in self.engines:  # requests just aborted may still be ending: give them a moment
+                e.flush_cache(wait_s=min(self.timeout_s, 30.0), timeout_s=self.timeout_s)
         self._sessions = []  # filled as they open, so that a failure closes exactly those
         for e in self.engines:
             if _begin(e, self.timeout_s):

@@ -1,9 +1,11 @@
 """``rlsys plot OUTPUT_DIR``: the curves of a run, from its ``metrics.jsonl``, as one PNG.
 
-Four panels: reward (mean with a ±std band, plus any ``eval/*reward*`` series), response length,
-KL to the reference, and where each step's time went (stacked phases under the step time; the
-gap between them is time outside the named phases). The trainer calls ``plot_run`` at the end of
-a run; the command redraws it at any time, also while the run is going.
+Six panels: reward (mean with a ±std band, plus any ``eval/*reward*`` series), response length,
+KL to the reference, where each step's time went (stacked phases under the step time; the
+gap between them is time outside the named phases), the share of each step each role sat idle
+(engines, trainer: what the asynchronous modes shrink), and the samples' staleness in weight versions.
+The trainer calls ``plot_run`` at the end of a run; the command redraws it at any time, also while the
+run is going.
 """
 
 from __future__ import annotations
@@ -80,6 +82,20 @@ def _time_panel(ax, rows: list[dict]) -> None:
     ax.set_title("step time breakdown (s)")
 
 
+def _lines_panel(ax, rows: list[dict], keys: dict[str, str], title: str) -> None:
+    drawn = False
+    for key, label in keys.items():
+        steps, values = _series(rows, key)
+        if steps:
+            ax.plot(steps, values, label=label)
+            drawn = True
+    if drawn:
+        ax.legend(fontsize="small")
+    else:
+        _no_data(ax, " or ".join(keys))
+    ax.set_title(title)
+
+
 def plot_run(output_dir: str, out_path: str | None = None) -> str:
     """Draw ``<output_dir>/metrics.jsonl`` into ``out_path`` (default: ``metrics.png`` beside it); returns the path."""
     rows = read_metrics(output_dir)
@@ -95,13 +111,17 @@ def plot_run(output_dir: str, out_path: str | None = None) -> str:
         raise UserError("plotting needs matplotlib: pip install matplotlib") from e
 
     # A bare Figure renders with Agg and leaves pyplot's global backend and state alone.
-    fig = Figure(figsize=(12, 8))
-    axes = fig.subplots(2, 2, sharex=True)
+    fig = Figure(figsize=(12, 11))
+    axes = fig.subplots(3, 2, sharex=True)
     _reward_panel(axes[0, 0], rows)
     _line_panel(axes[0, 1], rows, "response/length_mean", "response length (tokens)")
     _line_panel(axes[1, 0], rows, "actor/kl", "KL(actor || ref)")
     _time_panel(axes[1, 1], rows)
-    for ax in axes[1]:
+    idle = {"time/engine_idle_frac": "engines", "time/trainer_idle_frac": "trainer"}
+    _lines_panel(axes[2, 0], rows, idle, "idle share of the step, per role")
+    stale = {"rollout/staleness": "oldest sample", "async/staleness_mean": "mean"}
+    _lines_panel(axes[2, 1], rows, stale, "staleness (weight versions behind)")
+    for ax in axes[2]:
         ax.set_xlabel("step")
     for ax in axes.flat:
         ax.grid(alpha=0.3)

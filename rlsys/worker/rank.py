@@ -125,6 +125,7 @@ class RankWorker:
             weight_dtype=weight_dtype,
             transports=transports if rank0 else [],
             delta=sync_cfg.delta,
+            pause_mode=sync_cfg.pause_mode,
         )
 
     def sync_weights(self, version: int | None = None) -> dict:

@@ -495,6 +495,34 @@ def test_pause_abort_and_retract_across_a_weight_update(qwen2, ckpts):
     for out in results["retract"]:
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 240}
         assert out["meta_info"]["weight_version"] == "r1"
+        spans = out["meta_info"]["weight_versions"]  # SGLang's per-token versions: the old ones, then r1
+        assert [s["version"] for s in spans][-1] == "r1" and spans[-1]["end"] == 240
+        assert all(a["end"] == b["start"] for a, b in zip(spans, spans[1:])) and spans[0]["start"] == 0
+
+
+def test_in_place_pause_continues_each_request_on_the_new_weights_with_its_tokens_versions(qwen2, ckpts):
+    """A partial rollout (trainer.fully_async.partial_rollout: continue): paused in place, updated (no flush:
+    the parked requests keep their cache, and a flush is refused), continued; every request ends at its full
+    length, and ``weight_versions`` says which tokens each version sampled."""
+    reset(qwen2, ckpts["qwen2", 0])
+    assert post(qwen2, "/update_weight_version", {"new_version": "7"}).status_code == 200
+    batch = {"input_ids": [[1, 2, 3], [6, 5, 4]], "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}}
+    results = {}
+    t = threading.Thread(target=lambda: results.update(out=generate(qwen2, batch)))
+    t.start()
+    _busy(qwen2)
+    post(qwen2, "/pause_generation", {"mode": "in_place"})
+    assert post(qwen2, "/flush_cache").status_code == 400  # parked in place: the KV cache is kept
+    r = post(qwen2, "/update_weights_from_disk", {"model_path": ckpts["qwen2", 1], "weight_version": "8"})
+    assert r.status_code == 200, r.text
+    post(qwen2, "/continue_generation")
+    t.join(60)
+    for out in results["out"]:
+        meta = out["meta_info"]
+        assert meta["finish_reason"] == {"type": "length", "length": 240} and meta["weight_version"] == "8"
+        (v7, v8) = meta["weight_versions"]
+        assert (v7["version"], v7["start"], v8["version"], v8["end"]) == ("7", 0, "8", 240)
+        assert v7["end"] == v8["start"] and 0 < v8["start"] < 240
 
 
 # ---- the name mapping, in process, on every supported architecture ----

@@ -57,7 +57,9 @@ def _trainer(hf_dir, url, layout, opts, out_dir):
         timeout_s=opts.get("timeout_s", 120),
         verify=opts.get("verify", True),
         transports=[opts.get("transport", "broadcast")] if rank0 else [],
+        pause_mode=opts.get("pause_mode", "abort"),
     )
+    sync.version = opts.get("version", 1) - 1  # sync() increments it
     result = {"rank": dist.get_rank()}
     inflight = None
     if rank0 and opts.get("inflight"):  # requests in flight when the sync starts (pause/continue around it)
@@ -105,7 +107,7 @@ class _InFlight:
 
     def finish(self) -> list:
         self.thread.join(timeout=120)
-        return [[o.finish_reason, len(o.output_ids)] for o in self.outs]
+        return [[o.finish_reason, len(o.output_ids), o.weight_version_spans] for o in self.outs]
 
 
 class _KillOnFirstBucket:
@@ -206,9 +208,27 @@ def test_pause_flush_continue_around_a_sync(sglang_engine, trained, tmp_path):
     reports = run_sync(trained, client.url, tmp_path, world=1, layout={}, verify=True, inflight=True)
     assert "error" not in reports[0], reports[0]
     outcomes = reports[0]["inflight"]
-    assert len(outcomes) == 16 and all(reason == "abort" and n < 500 for reason, n in outcomes), outcomes
+    assert len(outcomes) == 16 and all(reason == "abort" and n < 500 for reason, n, _ in outcomes), outcomes
     after = client.generate([[5, 6, 7]], protocol.sampling_params(max_new_tokens=4, ignore_eos=True))
     assert after[0].weight_version == client.weight_version() and after[0].finish_reason == "length"
+
+
+def test_a_sync_paused_in_place_continues_the_requests_on_the_new_weights(sglang_engine, trained, tmp_path):
+    """Partial rollouts (trainer.fully_async.partial_rollout: continue): the sync pauses in place and skips the
+    flush (SGLang refuses it while parked requests hold their cache); the requests in flight end at their full
+    length, and SGLang's ``weight_versions`` tag their tokens with the version before and after."""
+    _, client = sglang_engine
+    before = client.weight_version()
+    reports = run_sync(trained, client.url, tmp_path, world=1, layout={}, verify=True, inflight=True,
+                       pause_mode="in_place", version=41)  # fmt: skip
+    assert "error" not in reports[0], reports[0]
+    after = client.weight_version()
+    assert after == "41" != before
+    for reason, n, spans in reports[0]["inflight"]:
+        assert (reason, n) == ("length", 500)
+        assert spans and spans[-1][0] == after and spans[-1][2] == 500, spans
+        assert all(a[2] == b[1] for a, b in zip(spans, spans[1:])) and spans[0][1] == 0, spans
+    assert any(len(spans) == 2 and spans[0][0] == before for _, _, spans in reports[0]["inflight"])
 
 
 def test_release_and_resume_memory_then_resync(sglang_engine, trained, tmp_path):

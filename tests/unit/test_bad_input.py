@@ -161,6 +161,35 @@ CASES = [
         lambda f: ["algorithm.router_replay=R3", "rollout.engine=sglang"],
         ["rollout.engine", "cannot return them", "rollout.engine: cpu"],
     ),
+    # fully asynchronous RL
+    (
+        "a staleness bound below the sync interval",
+        None,
+        lambda f: ["trainer.async_mode=fully_async", "trainer.fully_async.sync_every=3"],
+        ["trainer.fully_async.max_staleness", ">= trainer.fully_async.sync_every (3)"],
+    ),
+    (
+        "partial rollouts with a pause that aborts",
+        None,
+        lambda f: ["trainer.async_mode=fully_async", "rollout.sync.pause_mode=abort"],
+        ["rollout.sync.pause_mode", "partial_rollout: continue", "in_place"],
+    ),
+    (
+        "aborted partial rollouts in a multi-turn run",
+        None,
+        lambda f: [
+            "trainer.async_mode=fully_async",
+            "trainer.fully_async.partial_rollout=abort",
+            "rollout.multi_turn.env=calculator",
+        ],
+        ["trainer.fully_async.partial_rollout", "multi-turn"],
+    ),
+    (
+        "fully async with colocated turn-taking",
+        None,
+        lambda f: ["trainer.async_mode=fully_async", "actor.offload=true"],
+        ["trainer.async_mode", "offload: false"],
+    ),
     ("reward module missing", None, lambda f: ["reward.name=nosuchpkg.mod:fn"], ["reward.name", "nosuchpkg"]),
     ("reward function missing", None, lambda f: ["reward.name=os:nosuchfn"], ["reward.name", "nosuchfn"]),
     ("reward timeout", None, lambda f: ["reward.timeout_s=0"], ["reward.timeout_s"]),

@@ -241,7 +241,10 @@ def test_pause_parks_the_batch_and_a_weight_update_applies(mode, tiny_checkpoint
 
     old, new = tiny_checkpoints["qwen2"], make_checkpoint("qwen2", seed=1)
     ckpt = HFCheckpoint(new)
-    g = Generator(AutoModelForCausalLM.from_pretrained(old, dtype=torch.float32).eval(), None, 256)
+    version = ["1"]
+    g = Generator(
+        AutoModelForCausalLM.from_pretrained(old, dtype=torch.float32).eval(), None, 256, None, lambda: version[0]
+    )
     old_model, new_model = generator(old).model, generator(new).model
     params = {"temperature": 0.9, "max_new_tokens": 6, "ignore_eos": True}
     batch = samples(params)
@@ -253,6 +256,7 @@ def test_pause_parks_the_batch_and_a_weight_update_applies(mode, tiny_checkpoint
         with d.gate.exclusive():  # waits for running == 0: the parked batch does not count
             assert d.gate.holding_kv() == (mode == "in_place")
             HFWeights(g.model).load([(n, ckpt.read(n)) for n in ckpt.names()])
+            version[0] = "2"
         loaded.set()
         d.gate.set_pause(None)
 
@@ -269,6 +273,10 @@ def test_pause_parks_the_batch_and_a_weight_update_applies(mode, tiny_checkpoint
     for s, o in zip(batch, out):
         ids = o["output_ids"]
         assert o["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+        assert o["meta_info"]["weight_versions"] == [  # the tokens each version sampled
+            {"version": "1", "start": 0, "end": 3},
+            {"version": "2", "start": 3, "end": 6},
+        ]
         before = hf_logprobs(old_model, s.prompt_ids, ids, 0.9)[:3]
         torch.testing.assert_close(logprobs(o)[:3], before, atol=1e-4, rtol=0)
         after = hf_logprobs(new_model, s.prompt_ids, ids, 0.9)[3:]

@@ -283,7 +283,7 @@ def test_plot_run_writes_a_png(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
 
-    assert matplotlib.image.imread(path).shape[:2] == (800, 1200)
+    assert matplotlib.image.imread(path).shape[:2] == (1100, 1200)  # six panels
     assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl", "metrics.png"]
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlsys.faults import slow_engine_s
 from rlsys.rollout.cpu.routing import RoutingCapture, SampleRoutes
 
 # SGLang sampling keys the CPU engine has no use for; accepted and ignored.
@@ -186,9 +187,13 @@ def sample_token(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) 
 class Generator:
     """Runs samples on a causal LM with a KV cache, one sequence at a time."""
 
-    def __init__(self, model, tokenizer, context_len: int, routing: RoutingCapture | None = None):
-        """``routing``: the model's router hooks when the server returns routed experts."""
+    def __init__(self, model, tokenizer, context_len: int, routing: RoutingCapture | None = None, version=None):
+        """``routing``: the model's router hooks when the server returns routed experts. ``version()``: the
+        weight version now loaded, read as each token is sampled (a request continued across an update has
+        tokens of two versions: ``meta_info.weight_versions``)."""
         self.model, self.tokenizer, self.context_len, self.routing = model, tokenizer, context_len, routing
+        self.version = version or (lambda: "default")
+        self.delay = slow_engine_s()  # tests: a slower engine (rlsys.faults)
         self.vocab_size = model.config.get_text_config().vocab_size
         self.eos_ids = _eos_ids(model, tokenizer)
         params = inspect.signature(model.forward).parameters
@@ -199,6 +204,8 @@ class Generator:
         self.pad_id = pad if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0  # any id: it is masked
 
     def _forward(self, ids: list[int], cache, all_logits: bool):
+        if self.delay:
+            time.sleep(self.delay)
         keep = 0 if all_logits else 1
         if self.cache_kwarg == "cache":  # transformers >= 5.2x renamed past_key_values
             out = self.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=keep)
@@ -342,6 +349,8 @@ class Generator:
 
     def _forward_batch(self, ids, mask, pos, cache):
         """Logits at the last position of each row (float32), and the cache."""
+        if self.delay:
+            time.sleep(self.delay)
         kw = {self.cache_kwarg: cache}
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kw)
         return out.logits[:, -1].float(), getattr(out, self.cache_kwarg)
@@ -353,6 +362,7 @@ class Generator:
             row[[t for t in q.stop_ids if t < row.numel()]] = float("-inf")
         token, logprobs = sample_token(row, p, q.gen)
         q.out.append(token)
+        q.versions.append(self.version())
         q.lps.append(float(logprobs[token]))
         if q.s.top_logprobs_num > 0:
             q.tops.append(_top(logprobs, q.s.top_logprobs_num))
@@ -396,6 +406,8 @@ class Generator:
             if s.top_logprobs_num > 0:
                 meta["output_top_logprobs"] = tops
                 meta["input_top_logprobs"] = in_tops
+        meta["weight_version"] = self.version()
+        meta["weight_versions"] = version_spans(q.versions)
         if s.return_routed_experts and self.routing is not None:
             meta.update(q.routes.meta(len(s.prompt_ids) + len(out), s.routed_experts_start_len))
         resp = {"output_ids": out, "meta_info": meta}
@@ -432,6 +444,19 @@ class _Seq:
     finish: dict | None = None
     latency: float = 0.0
     routes: SampleRoutes = field(default_factory=SampleRoutes)
+    versions: list[str] = field(default_factory=list)  # the weight version each output token was sampled with
+
+
+def version_spans(versions: list[str]) -> list[dict]:
+    """SGLang's ``weight_versions``: ``{"version", "start", "end"}`` per run of output tokens sampled with one
+    weight version (end exclusive)."""
+    spans: list[dict] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans
 
 
 def _top(logprobs: torch.Tensor, k: int) -> list:
@@ -510,6 +535,11 @@ class Gate:
         with self.cond:
             self.pause_mode = mode
             self.cond.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Whether no request holds a KV cache within ``timeout_s`` (0: now)."""
+        with self.cond:
+            return self.cond.wait_for(lambda: self.running + self.parked_in_place == 0, timeout=timeout_s)
 
     def holding_kv(self) -> int:
         with self.cond:

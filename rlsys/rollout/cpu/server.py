@@ -82,7 +82,7 @@ class CPUEngine:
         self.weights = HFWeights(self.model)
         context_len = getattr(self.model.config.get_text_config(), "max_position_embeddings", 4096)
         routing = server_capture(self.model, args.enable_return_routed_experts, args.model_path)
-        self.generator = Generator(self.model, self.tokenizer, context_len, routing)
+        self.generator = Generator(self.model, self.tokenizer, context_len, routing, lambda: self.weight_version)
         self.gate = Gate()
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.live: dict[str, object] = {}  # rid -> Request being generated
@@ -122,9 +122,8 @@ class CPUEngine:
                 self.live[s.rid] = s
             try:  # the request's samples as one batch (some kinds one at a time: see Generator.can_batch)
                 results = self.generator.run_all(samples, self.gate.between_tokens)
-                for resp in results:
-                    resp["meta_info"]["weight_version"] = self.weight_version
-                    if text_in_logprobs:
+                if text_in_logprobs:
+                    for resp in results:
                         self.generator.add_token_texts(resp)
             finally:
                 for s in samples:
@@ -155,8 +154,9 @@ class CPUEngine:
         return _json({"message": "Generation continued successfully.", "status": "ok"})
 
     def flush_cache(self, body: dict) -> web.Response:
-        # No prefix cache across requests on CPU; like SGLang, flushing needs no request holding a KV cache.
-        ok = self.gate.holding_kv() == 0
+        # No prefix cache across requests on CPU; like SGLang, flushing needs no request holding a KV cache,
+        # and ``?timeout=S`` waits up to S seconds for that (aborted requests end at their next token).
+        ok = self.gate.wait_idle(float(body.get("timeout") or 0))
         text = "Cache flushed.\n" if ok else "Cache not flushed because there are pending requests.\n"
         return web.Response(text=text, status=200 if ok else 400)
 

@@ -1,0 +1,94 @@
+"""``trainer.async_mode: fully_async`` end to end on the tiny task (one rank in the driver, the CPU engine): weight
+syncs that land mid-generation continue the requests on the new weights (or cut and redo them), staleness stays
+within its bound, and a resumed run takes up the queue its checkpoint kept without losing or repeating a prompt.
+``RLSYS_FAULT_SLOW_ENGINE`` makes the engine slower than the trainer, so that syncs do land mid-generation.
+(That one round ahead learns exactly as one_step_off: tests/e2e/test_async.py; the engines' per-token versions
+across an in-place pause: tests/dist/test_cpu_engine.py and, on SGLang, tests/sglang/test_sglang_sync.py.)"""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from rlsys.config import load_config
+from rlsys.controller.loop import train
+from rlsys.faults import SLOW_ENGINE
+
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny-cpu-grpo.yaml")
+KEYS = [
+    "actor.parallel.tp=1",
+    "cluster.devices_per_node=1",
+    "logging.tensorboard=false",
+    "logging.progress=off",
+    "trainer.eval_every=0",
+    "trainer.export_hf=false",
+    "trainer.async_mode=fully_async",
+]
+
+
+def run(out, *overrides):
+    return train(load_config(CONFIG, [f"trainer.output_dir={out}", *KEYS, *overrides]), use_ray=False)
+
+
+@pytest.fixture
+def slow_engine(monkeypatch):
+    monkeypatch.setenv(SLOW_ENGINE, "0.05")  # 64 samples x 4 tokens: longer than an update here
+
+
+def test_syncs_mid_generation_continue_the_requests_and_their_tokens_carry_both_versions(tmp_path, slow_engine):
+    history = run(tmp_path / "run", "trainer.steps=6", "trainer.fully_async.queue_batches=2")
+    partial = [m["async/partial_samples"] for m in history]
+    assert max(partial) > 0.5, partial  # most of a round straddled a sync
+    for m in history:
+        assert m["rollout/staleness"] <= 2.0 and m["async/dropped_stale_groups"] == 0.0
+        assert sum(m[f"async/staleness_hist/{k}"] for k in range(3)) == pytest.approx(1.0)
+        # a continued sample started one version back and ended on the next: at most two versions each
+        assert 1.0 <= m["async/versions_per_sample"] <= 2.0
+        assert m.get("rollout/regenerated_samples", 0.0) == 0.0
+
+
+def test_syncs_mid_generation_abort_the_requests_and_they_are_generated_again(tmp_path, slow_engine):
+    keys = ["trainer.steps=6", "trainer.fully_async.queue_batches=2", "trainer.fully_async.partial_rollout=abort"]
+    history = run(tmp_path / "run", *keys)
+    assert sum(m["rollout/regenerated_samples"] for m in history) > 0
+    assert all(m["async/partial_samples"] == 0.0 and m["rollout/staleness"] <= 2.0 for m in history)
+    assert all(m["response/length_mean"] > 1.0 for m in history)  # whole answers, not cut-off stumps
+
+
+def test_sync_every_two_updates_and_a_tight_bound_drop_stale_groups(tmp_path):
+    keys = ["trainer.steps=6", "trainer.fully_async.sync_every=2", "trainer.fully_async.max_staleness=2"]
+    history = run(tmp_path / "run", *keys, "trainer.fully_async.queue_batches=2")
+    assert [m["step"] for m in history] == list(range(1, 7))
+    assert all(m["rollout/staleness"] <= 2.0 for m in history)
+    assert "sync/seconds" in history[1] and "sync/seconds" not in history[0]  # synced after updates 2, 4, 6
+
+
+def _prompts(path) -> dict[int, list[str]]:
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
+    out: dict[int, list[str]] = {}
+    for row in rows:
+        out.setdefault(row["step"], []).append(row["prompt"])
+    return {step: sorted(set(p)) for step, p in out.items()}
+
+
+def test_a_resumed_run_takes_up_the_kept_queue_and_loses_no_prompt(tmp_path):
+    keys = ["trainer.steps=6", "trainer.save_every=3", "trainer.keep_last=0", "logging.sample_every=1"]
+    keys += ["logging.num_samples=64", "trainer.fully_async.partial_rollout=wait"]
+    out = tmp_path / "run"
+    whole = run(out, *keys)
+    assert (out / "pending_rollouts" / "queue" / "step_000003.pt").exists()  # kept with checkpoint 3
+    trained = _prompts(out / "samples.jsonl")
+    os.rename(out / "samples.jsonl", tmp_path / "whole.jsonl")
+    shutil.rmtree(out / "checkpoints" / "step_00000006")  # as if the run had died during step 4
+    resumed = run(out, *keys)
+    assert [m["step"] for m in resumed] == [4, 5, 6]
+    again = _prompts(out / "samples.jsonl")
+    # the same prompts, step by step (the kept round, then the rounds after it): none lost, none repeated
+    assert [again[n] for n in (4, 5, 6)] == [trained[n] for n in (4, 5, 6)]
+    # the syncs waited for the rounds in flight, so the resumed steps are the uninterrupted ones exactly
+    for a, b in zip(whole[3:], resumed):
+        for key in ("reward/mean", "actor/pg_loss", "rollout/weight_version"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
