@@ -86,31 +86,33 @@ def _check_router_replay(cfg: RunConfig) -> None:
 
 def _check_fully_async(cfg: RunConfig) -> None:
     f, pause = cfg.trainer.fully_async, cfg.rollout.sync.pause_mode
-    _positive(f, "trainer.fully_async", "sync_every", "queue_batches")
+    continues = cfg.trainer.async_mode == "fully_async" and f.partial_rollout == "continue"
     _need(
-        f.max_staleness >= f.sync_every,
-        "trainer.fully_async.max_staleness",
-        f.max_staleness,
-        f"must be >= trainer.fully_async.sync_every ({f.sync_every}): between two syncs the engines serve one "
-        "version while the trainer moves on, so fresher samples cannot exist",
+        continues or pause in ("auto", "abort"),
+        "rollout.sync.pause_mode",
+        pause,
+        "parks requests across a sync, which only trainer.async_mode: fully_async with "
+        "trainer.fully_async.partial_rollout: continue has in flight: set pause_mode: auto",
     )
     if cfg.trainer.async_mode != "fully_async":
         return
-    if f.partial_rollout == "continue":
-        _need(
-            pause != "abort",
-            "rollout.sync.pause_mode",
-            pause,
-            "trainer.fully_async.partial_rollout: continue keeps requests across a sync: set pause_mode to auto, "
-            "in_place or retract (or partial_rollout: abort)",
-        )
-    elif f.partial_rollout == "abort":
-        _need(
-            pause in ("auto", "abort"),
-            "rollout.sync.pause_mode",
-            pause,
-            "trainer.fully_async.partial_rollout: abort generates cut requests again: set pause_mode to auto or abort",
-        )
+    _positive(f, "trainer.fully_async", "sync_every", "queue_batches")
+    lag = f.sync_every + f.queue_batches - 1
+    _need(
+        f.max_staleness >= lag,
+        "trainer.fully_async.max_staleness",
+        f.max_staleness,
+        f"must be >= sync_every + queue_batches - 1 = {lag}: the engines serve one version for sync_every updates "
+        "and the queue holds groups up to queue_batches steps ahead, so samples that old are the normal case; "
+        "raise max_staleness or lower trainer.fully_async.queue_batches",
+    )
+    _need(
+        f.partial_rollout != "continue" or pause != "abort",
+        "rollout.sync.pause_mode",
+        pause,
+        "trainer.fully_async.partial_rollout: continue keeps requests across a sync: set pause_mode to auto, "
+        "retract or in_place (or partial_rollout: abort)",
+    )
     turns = cfg.rollout.multi_turn
     _need(
         not (turns.env or turns.agent) or f.partial_rollout != "abort",

@@ -122,9 +122,9 @@ class SyncConfig:
     # after a full sync, send only the elements that changed (rlsys.sync.delta; rlsys's CPU engine only)
     delta: bool = False
     # what happens to requests still generating when a sync pauses the engines: abort (they end, finish_reason
-    # "abort"), in_place (parked with their KV cache, then continued on the new weights: partial rollouts),
-    # retract (parked, their KV cache recomputed on the new weights); auto: in_place under
-    # trainer.fully_async.partial_rollout: continue, else abort
+    # "abort"), retract (parked, their KV cache recomputed on the new weights when they continue: partial
+    # rollouts), in_place (parked with their KV cache; no cache flush then, so SGLang's prefix cache keeps
+    # entries of older weights); auto: retract under trainer.fully_async.partial_rollout: continue, else abort
     pause_mode: Literal["auto", "abort", "in_place", "retract"] = "auto"
 
 
@@ -374,10 +374,12 @@ class FullyAsyncConfig:
     groups that are fresh enough."""
 
     # a group is dropped (and counted) when its oldest token is more than this many weight versions behind the
-    # step that would train on it; >= sync_every, since samples wait up to sync_every - 1 updates for a sync
+    # step that would train on it; >= sync_every + queue_batches - 1, the lag of a group generated at once
     max_staleness: int = 2
     sync_every: int = 1  # updates between weight syncs (and the last update)
-    queue_batches: int = 1  # scored groups kept waiting, in steps' worth (data.prompts_per_step groups each)
+    # how far the producer runs ahead, in steps' worth of groups (data.prompts_per_step each): a round starts
+    # while at most queue_batches - 1 steps' worth wait
+    queue_batches: int = 1
     # requests in flight at a weight sync: continue (paused in place, continued on the new weights; each token's
     # version is kept), abort (cut short and generated again on the new weights), wait (the sync waits for them)
     partial_rollout: Literal["continue", "abort", "wait"] = "continue"

@@ -145,7 +145,7 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
             source.resume(start)
     t = cfg.trainer
     every = t.fully_async.sync_every if t.async_mode == "fully_async" else 1
-    weights = EngineSync(actor, engines, turns, start + 1, every, t.steps) if syncing else NoSync()
+    weights = EngineSync(actor, engines, turns, start + 1, every, t.steps, t.eval_every) if syncing else NoSync()
     if syncing:
         actor.setup_sync(
             engines.urls,
@@ -207,7 +207,7 @@ def _engine_source(cfg: RunConfig, mode: str, model_dir: str, placement, prompts
     elif cfg.trainer.async_mode == "fully_async" and mode == "full":
         queue = os.path.join(pending_dir(out_dir), "queue")
         ds = cfg.algorithm.filters.dynamic_sampling
-        source = StreamRollout(source, cfg.trainer.fully_async, ds, queue, cfg.trainer.keep_last)
+        source = StreamRollout(source, cfg.trainer.fully_async, ds, queue, cfg.trainer.keep_last, cfg.trainer.steps)
         closers.append((source.close, functools.partial(source.close, wait=False)))
     return engines, source
 

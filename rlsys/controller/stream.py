@@ -3,22 +3,25 @@ groups it has not got yet.
 
 A producer thread asks the engines for rounds of ``data.prompts_per_step`` prompts (``n`` samples each, scored
 as the synchronous loop scores them) and puts each prompt's group, whole, into a bounded queue: a round starts
-only while the queue holds fewer than ``queue_batches`` steps' worth of groups, so the producer runs at most
-that far ahead. Step ``n`` takes the first ``data.prompts_per_step`` groups that are fresh enough.
+only while at most ``queue_batches - 1`` steps' worth of groups wait, so the producer runs at most
+``queue_batches`` rounds ahead. Step ``n`` takes the first ``data.prompts_per_step`` groups that are fresh
+enough; no round starts after the last step took its groups.
 
 Versions: the engines stamp every token with the weight version it was sampled with
 (``Sample.weight_version_spans``). A group's version is its oldest token's; at step ``n`` (the trainer holds
 the policy after update ``n - 1``) its staleness is ``n - version``, and a group more than ``max_staleness``
 behind is dropped, counted in ``async/dropped_stale_groups``. The rest is trained as the synchronous loop
-trains it: the old-policy log-probs are the trainer's own (the proximal policy of decoupled PPO), the engine's
-log-probs of each token come from the policy that sampled it, and ``algorithm.mismatch`` (TIS/MIS) weighs the
-difference, so off-policy tokens are corrected rather than ignored.
+trains it: the old-policy log-probs are the trainer's own (the proximal policy of decoupled PPO), and the
+engine's log-prob of each token comes from the policy that sampled it, so where ``algorithm.mismatch``
+(TIS/MIS) is set it weighs the difference and off-policy tokens are corrected rather than trained as if
+on-policy.
 
 Weight syncs come every ``sync_every`` updates while the producer goes on. Requests in flight
-(``partial_rollout``): ``continue`` pauses them in place (the sync's ``pause_mode: in_place``) and they go on
-from their prefix with the new weights, their tokens tagged with both versions, so a long response no longer
-holds back a step; ``abort`` cuts them and ``EngineRollout`` generates those samples again on the new weights;
-``wait`` makes the sync wait for the round in flight, and holds the next one until it is done.
+(``partial_rollout``): ``continue`` parks them (the sync's ``pause_mode``: ``retract``, or ``in_place``) and
+they go on from their prefix with the new weights, their tokens tagged with both versions, so a long
+response no longer holds back a step; ``abort`` cuts them and ``EngineRollout`` generates those samples again
+on the new weights; ``wait`` makes the sync wait for the round in flight, and holds the next one until it is
+done.
 
 DAPO's dynamic sampling acts on the stream: a group whose rewards have no variance is dropped as it arrives;
 groups beyond what a step takes stay queued for the next (``dynamic_sampling/*`` counts since the last step).
@@ -31,6 +34,7 @@ generated again, from the same prompts).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -46,7 +50,10 @@ from rlsys.controller.replay import load_rollout, save_rollout
 from rlsys.rollout.batch import RolloutBatch
 from rlsys.rollout.protocol import Sample
 
-MAX_STALE_ROUNDS = 8  # rounds' worth of stale groups one step may drop before it says the versions stand still
+logger = logging.getLogger(__name__)
+
+# stale groups one step may drop, beyond a full queue, in rounds' worth, before it says the versions stand still
+MAX_STALE_ROUNDS = 8
 
 
 @dataclass
@@ -57,11 +64,12 @@ class Group:
     texts: list[str]
     scores: list[float]
     metrics: dict  # of the round it came from (the reward stage's)
+    round: int = 0  # which round of the run
 
     @property
     def version(self) -> float:
         """The oldest weight version among its tokens; NaN if an engine named none."""
-        return min((oldest_version(s) for s in self.samples), default=math.nan)
+        return min((v for v in map(oldest_version, self.samples) if math.isfinite(v)), default=math.nan)
 
 
 def token_versions(s: Sample) -> list[tuple[str, int, int]]:
@@ -76,15 +84,16 @@ def oldest_version(s: Sample) -> float:
 class StreamRollout:
     """A batch source (``EngineRollout``'s rounds) turned into a continuous, bounded stream of groups."""
 
-    def __init__(self, source, cfg, dynamic_sampling, queue_root: str, keep_last: int):
-        """``cfg``: ``trainer.fully_async``; ``dynamic_sampling``: ``algorithm.filters.dynamic_sampling``."""
-        self.source, self.cfg, self.ds = source, cfg, dynamic_sampling
+    def __init__(self, source, cfg, dynamic_sampling, queue_root: str, keep_last: int, last_step: int = 0):
+        """``cfg``: ``trainer.fully_async``; ``dynamic_sampling``: ``algorithm.filters.dynamic_sampling``;
+        ``last_step``: the run's (0: no end)."""
+        self.source, self.cfg, self.ds, self.last_step = source, cfg, dynamic_sampling, last_step
         self.queue_root, self.keep_last = queue_root, keep_last
         self.batch_size = source.prompts.batch_size
         self.capacity = cfg.queue_batches * self.batch_size
         self.queue: deque[Group] = deque()
         self.cond = threading.Condition()
-        self.in_flight = self.held = self.closed = False
+        self.in_flight = self.held = self.closed = self.finished = False
         self.error: BaseException | None = None
         self.rounds = 0  # rounds generated so far
         self.busy = Timer()  # the producer's rollout and reward time since the last step took its groups
@@ -101,28 +110,30 @@ class StreamRollout:
             self.thread.start()
 
     def _room(self) -> bool:
-        return self.closed or (not self.held and len(self.queue) + self.batch_size <= self.capacity)
+        free = len(self.queue) + self.batch_size <= self.capacity
+        return self.closed or (not self.held and not self.finished and free)
 
     def _produce(self) -> None:
-        while True:
-            with self.cond:
-                self.cond.wait_for(self._room)
-                if self.closed:
-                    return
-                self.in_flight = True
-            try:
+        try:
+            while True:
+                with self.cond:
+                    self.cond.wait_for(self._room)
+                    if self.closed:
+                        return
+                    self.in_flight = True
                 spent = Timer()
                 # round k is seeded as the synchronous loop seeds step k (a checkpoint keeps the count)
-                rolled = self.source.scored_round(self.rounds + 1, spent)
-                groups = split_groups(rolled)
-            except BaseException as e:
+                groups = split_groups(self.source.scored_round(self.rounds + 1, spent), self.rounds + 1)
                 with self.cond:
-                    self.error, self.in_flight = (None if self.closed else e), False
+                    self.rounds += 1
+                    self._admit(groups, spent)
+                    self.in_flight = False
                     self.cond.notify_all()
-                return
+        except BaseException as e:  # raised by the step, checkpoint or sync that waits next
             with self.cond:
-                self.rounds += 1
-                self._admit(groups, spent)
+                self.error = None if self.closed else e
+        finally:
+            with self.cond:
                 self.in_flight = False
                 self.cond.notify_all()
 
@@ -163,15 +174,16 @@ class StreamRollout:
                 self.cond.notify_all()  # room for the producer's next round
                 if step - group.version > self.cfg.max_staleness:
                     stale += 1
-                    if stale > MAX_STALE_ROUNDS * self.batch_size:
+                    if stale > self.capacity + MAX_STALE_ROUNDS * self.batch_size:
                         raise RuntimeError(
-                            f"fully_async step {step}: {stale} groups in a row were more than "
+                            f"fully_async step {step}: {stale} groups were more than "
                             f"trainer.fully_async.max_staleness={self.cfg.max_staleness} versions old (the latest of "
                             f"version {group.version:g}): the engines' weights do not follow the trainer's; check "
                             "the weight sync"
                         )
                     continue
                 taken.append(group)
+            self.finished = bool(self.last_step) and step >= self.last_step  # no round after the last step's
             busy, self.busy = self.busy, Timer()
             counts, self.counts = self.counts, {"rounds": 0, "seen": 0, "no_variance": 0}
             depth = len(self.queue)
@@ -214,11 +226,13 @@ class StreamRollout:
             self.held = True
             self.cond.wait_for(lambda: not self.in_flight or self.error is not None)
             try:
-                if self.error is None:
-                    extra = {"prompts": self.source.prompts.state_dict(), "rounds": self.rounds}
-                    extra["groups"] = [len(g.samples) for g in self.queue]
-                    extra["metrics"] = [{k: float(v) for k, v in g.metrics.items()} for g in self.queue]
-                    save_rollout(self.queue_root, step, join_groups(list(self.queue)), extra=extra)
+                if self.error is not None:  # no checkpoint without its queue; the step that waits next raises too
+                    raise RuntimeError(f"the rollout producer failed ({self.error}); step {step} is not saved")
+                extra = {"prompts": self.source.prompts.state_dict(), "rounds": self.rounds}
+                extra["groups"] = [len(g.samples) for g in self.queue]
+                extra["rounds_of_groups"] = [g.round for g in self.queue]
+                extra["metrics"] = [{k: float(v) for k, v in g.metrics.items()} for g in self.queue]
+                save_rollout(self.queue_root, step, join_groups(list(self.queue)), extra=extra)
             finally:
                 self.held = False
                 self.cond.notify_all()
@@ -230,16 +244,20 @@ class StreamRollout:
     def resume(self, step: int) -> bool:
         """Restore the queue and the prompt state kept with checkpoint ``step``; whether they were there."""
         if not os.path.exists(self._path(step)):
+            logger.warning(
+                "fully_async: checkpoint %d has no queue beside it (%s); the prompts queued or in flight when it "
+                "was saved are skipped", step, self._path(step),
+            )  # fmt: skip
             return False
         batch, extra = load_rollout(self._path(step), with_extra=True)
         self.source.prompts.load_state_dict(extra["prompts"])
         self.rounds = extra["rounds"]
         start = 0
-        for size, metrics in zip(extra["groups"], extra["metrics"]):
+        for size, metrics, round_ in zip(extra["groups"], extra["metrics"], extra["rounds_of_groups"]):
             rows = range(start, start + size)
             self.queue.append(
                 Group([batch.samples[i] for i in rows], [batch.texts[i] for i in rows],
-                      [float(batch.scores[i]) for i in rows], metrics)
+                      [float(batch.scores[i]) for i in rows], metrics, round_)
             )  # fmt: skip
             start += size
         return True
@@ -257,30 +275,35 @@ class StreamRollout:
             self.thread.join(timeout=60)
 
 
-def split_groups(rolled: RolloutBatch) -> list[Group]:
-    """A round's batch as one ``Group`` per prompt, in prompt order."""
+def split_groups(rolled: RolloutBatch, round_: int = 0) -> list[Group]:
+    """Round ``round_``'s batch as one ``Group`` per prompt, in prompt order."""
     rows: dict[int, list[int]] = {}
     for i, g in enumerate(rolled.group_ids):
         rows.setdefault(int(g), []).append(i)
     scores = rolled.scores.tolist()
     return [
         Group([rolled.samples[i] for i in idx], [rolled.texts[i] for i in idx], [scores[i] for i in idx],
-              dict(rolled.metrics))
+              dict(rolled.metrics), round_)
         for idx in rows.values()
     ]  # fmt: skip
 
 
 def join_groups(groups: list[Group]) -> RolloutBatch:
-    """Groups as one batch (group ids 0, 1, ...); the reward metrics are the rounds' means."""
+    """Groups as one batch (group ids 0, 1, ...). The rounds' metrics (the reward stage's, of whole rounds):
+    the mean over the rounds the groups came from; counters of the run so far, their latest value."""
     samples = [s for g in groups for s in g.samples]
     texts = [t for g in groups for t in g.texts]
     scores = torch.tensor([x for g in groups for x in g.scores], dtype=torch.float32)
     ids = [k for k, g in enumerate(groups) for _ in g.samples]
-    keys = {k for g in groups for k in g.metrics}
-    metrics = {
-        k: sum(g.metrics[k] for g in groups if k in g.metrics) / sum(k in g.metrics for g in groups) for k in keys
-    }
+    rounds = list({g.round: g.metrics for g in groups}.values())  # one per round, in order
+    metrics = {}
+    for key in {k for m in rounds for k in m}:
+        values = [m[key] for m in rounds if key in m]
+        metrics[key] = values[-1] if key in RUN_COUNTERS or key.endswith("_total") else sum(values) / len(values)
     return RolloutBatch(samples, texts, scores, ids, metrics)
+
+
+RUN_COUNTERS = {"rollout/engine_restarts"}  # so far in the run, not per round
 
 
 def stream_metrics(step: int, groups: list[Group], bound: int, stale: int, depth: int) -> dict:

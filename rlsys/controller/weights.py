@@ -12,14 +12,19 @@ logger = logging.getLogger(__name__)
 
 class EngineSync:
     """``version`` is the weight version the engines serve: the step after the last update they got.
-    ``every``: updates between syncs (``trainer.fully_async.sync_every``); ``last_step`` always syncs."""
+    ``every``: updates between syncs (``trainer.fully_async.sync_every``); the last step and the steps that
+    evaluate (every ``eval_every``) always sync, so an evaluation sees the step's policy."""
 
-    def __init__(self, actor, engines, turns: Turns, version: int, every: int = 1, last_step: int = 0):
+    def __init__(self, actor, engines, turns: Turns, version: int, every=1, last_step=0, eval_every=0):
         self.actor, self.engines, self.turns, self.version = actor, engines, turns, version
-        self.every, self.last_step = every, last_step
+        self.every, self.last_step, self.eval_every = every, last_step, eval_every
+        self.updated = version - 1  # the actor's last update: a restarted engine gets its weights under its name
 
     def due(self, step: int) -> bool:
-        return step % self.every == 0 or step == self.last_step
+        """Update ``step`` is done; whether the engines get it now."""
+        self.updated = step
+        evaluates = self.eval_every and step % self.eval_every == 0
+        return step % self.every == 0 or step == self.last_step or bool(evaluates)
 
     def start(self) -> None:
         """The engines start from the HF files (or lag a resumed checkpoint): give them the actor's weights,
@@ -28,6 +33,7 @@ class EngineSync:
         self.engines.on_restart = self._resync
 
     def _resync(self, restarted_engine=None) -> None:
+        self.version = self.updated + 1  # the actor's weights now: newer than the last sync's under sync_every
         with self.turns.weights_on_device(self.actor):
             if restarted_engine is not None:
                 self.actor.reconnect_sync()

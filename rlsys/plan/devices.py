@@ -106,11 +106,13 @@ def sync_load_format(cfg: RunConfig) -> str:
 
 
 def sync_pause_mode(cfg: RunConfig) -> str:
-    """``rollout.sync.pause_mode`` resolved. ``auto``: ``in_place`` where a fully asynchronous run continues
-    its requests across a sync (``trainer.fully_async.partial_rollout: continue``), else ``abort`` (nothing is
-    in flight at a sync of the other modes)."""
+    """``rollout.sync.pause_mode`` resolved. ``auto``: ``retract`` where a fully asynchronous run continues
+    its requests across a sync (``trainer.fully_async.partial_rollout: continue``): they give back their KV
+    cache and recompute it on the new weights, so the engines' prefix cache can be flushed (``in_place`` keeps
+    the parked requests' cache, which forbids the flush: SGLang's radix cache would go on serving prefixes
+    computed with older weights); else ``abort`` (nothing is in flight at a sync of the other modes)."""
     mode = cfg.rollout.sync.pause_mode
     if mode != "auto":
         return mode
     t = cfg.trainer
-    return "in_place" if t.async_mode == "fully_async" and t.fully_async.partial_rollout == "continue" else "abort"
+    return "retract" if t.async_mode == "fully_async" and t.fully_async.partial_rollout == "continue" else "abort"

@@ -83,15 +83,17 @@ class EngineRollout:
             cut = [i for i, s in enumerate(samples) if s.finish_reason == "abort"]
             if not cut:
                 return samples, {"rollout/regenerated_samples": float(redone)}
-            seed = params.get("sampling_seed")
-            again = dict(params, n=1, **({} if seed is None else {"sampling_seed": seed + attempt * 7919}))
+            seed = params.get("sampling_seed")  # redone samples draw from streams of their own
+            again = dict(params, n=1, **({} if seed is None else {"sampling_seed": (seed * 31 + attempt) % 2**31}))
             for i, new in zip(cut, self.engines.generate([prompts[samples[i].prompt_index].ids for i in cut], again)):
                 new.prompt_index = samples[i].prompt_index
                 samples[i] = new
             redone += len(cut)
+        reasons = sorted({s.finish_message or "no reason given" for s in samples if s.finish_reason == "abort"})
         raise RuntimeError(
-            f"samples were cut short by {MAX_REGENERATIONS} weight syncs in a row; raise trainer.fully_async."
-            "sync_every, or set trainer.fully_async.partial_rollout: continue"
+            f"samples were aborted {MAX_REGENERATIONS} times in a row (the engine said: {'; '.join(reasons)}); a "
+            "weight sync cuts requests under trainer.fully_async.partial_rollout: abort: raise "
+            "trainer.fully_async.sync_every, or set partial_rollout: continue"
         )
 
     def next_batch(self, step: int, timer) -> RolloutBatch:

@@ -357,8 +357,9 @@ class DistributedWeightSync:
         for e in self.engines:
             e.pause_generation(self.pause_mode, timeout_s=self.timeout_s)
         if self.pause_mode != "in_place":  # parked requests keep their KV cache, and SGLang then refuses a flush
-            for e in self.engines:  # requests just aborted may still be ending: give them a moment
-                e.flush_cache(wait_s=min(self.timeout_s, 30.0), timeout_s=self.timeout_s)
+            wait = min(self.timeout_s, 30.0) if self.pause_mode == "abort" else 0.0  # aborted requests end soon
+            for e in self.engines:
+                e.flush_cache(wait_s=wait, timeout_s=self.timeout_s)
         self._sessions = []  # filled as they open, so that a failure closes exactly those
         for e in self.engines:
             if _begin(e, self.timeout_s):

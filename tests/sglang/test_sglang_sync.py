@@ -213,17 +213,19 @@ def test_pause_flush_continue_around_a_sync(sglang_engine, trained, tmp_path):
     assert after[0].weight_version == client.weight_version() and after[0].finish_reason == "length"
 
 
-def test_a_sync_paused_in_place_continues_the_requests_on_the_new_weights(sglang_engine, trained, tmp_path):
-    """Partial rollouts (trainer.fully_async.partial_rollout: continue): the sync pauses in place and skips the
-    flush (SGLang refuses it while parked requests hold their cache); the requests in flight end at their full
-    length, and SGLang's ``weight_versions`` tag their tokens with the version before and after."""
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_a_sync_that_parks_the_requests_continues_them_on_the_new_weights(sglang_engine, trained, tmp_path, mode):
+    """Partial rollouts (trainer.fully_async.partial_rollout: continue): the sync parks the requests in flight
+    (retract: they give back their KV cache, and the flush goes ahead; in_place: they keep it, and the flush is
+    skipped, since SGLang refuses it then); they end at their full length, and SGLang's ``weight_versions`` tag
+    their tokens with the version before and after."""
     _, client = sglang_engine
-    before = client.weight_version()
+    before, version = client.weight_version(), {"retract": 41, "in_place": 42}[mode]
     reports = run_sync(trained, client.url, tmp_path, world=1, layout={}, verify=True, inflight=True,
-                       pause_mode="in_place", version=41)  # fmt: skip
+                       pause_mode=mode, version=version)  # fmt: skip
     assert "error" not in reports[0], reports[0]
     after = client.weight_version()
-    assert after == "41" != before
+    assert after == str(version) != before
     for reason, n, spans in reports[0]["inflight"]:
         assert (reason, n) == ("length", 500)
         assert spans and spans[-1][0] == after and spans[-1][2] == 500, spans

@@ -165,8 +165,18 @@ CASES = [
     (
         "a staleness bound below the sync interval",
         None,
-        lambda f: ["trainer.async_mode=fully_async", "trainer.fully_async.sync_every=3"],
-        ["trainer.fully_async.max_staleness", ">= trainer.fully_async.sync_every (3)"],
+        lambda f: [
+            "trainer.async_mode=fully_async",
+            "trainer.fully_async.sync_every=2",
+            "trainer.fully_async.queue_batches=2",
+        ],
+        ["trainer.fully_async.max_staleness", "sync_every + queue_batches - 1 = 3"],
+    ),
+    (
+        "requests parked across a sync that has none in flight",
+        None,
+        lambda f: ["trainer.async_mode=one_step_off", "rollout.sync.pause_mode=in_place"],
+        ["rollout.sync.pause_mode", "partial_rollout: continue", "pause_mode: auto"],
     ),
     (
         "partial rollouts with a pause that aborts",

@@ -536,6 +536,11 @@ class Gate:
             self.pause_mode = mode
             self.cond.notify_all()
 
+    def wait_paused(self, timeout_s: float) -> bool:
+        """Whether no request is inside the model within ``timeout_s`` (after ``set_pause``: all ended or parked)."""
+        with self.cond:
+            return self.cond.wait_for(lambda: self.running == 0, timeout=timeout_s)
+
     def wait_idle(self, timeout_s: float) -> bool:
         """Whether no request holds a KV cache within ``timeout_s`` (0: now)."""
         with self.cond:

@@ -147,6 +147,7 @@ class CPUEngine:
         if mode not in ("abort", "retract", "in_place"):
             return _error(f"mode must be 'abort', 'retract' or 'in_place', got {mode!r}")
         self.gate.set_pause(mode)
+        self.gate.wait_paused(60.0)  # as SGLang, answer once running requests ended or parked: a flush may follow
         return _json({"message": "Generation paused successfully.", "status": "ok"})
 
     def continue_generation(self, body: dict) -> web.Response:
@@ -154,8 +155,7 @@ class CPUEngine:
         return _json({"message": "Generation continued successfully.", "status": "ok"})
 
     def flush_cache(self, body: dict) -> web.Response:
-        # No prefix cache across requests on CPU; like SGLang, flushing needs no request holding a KV cache,
-        # and ``?timeout=S`` waits up to S seconds for that (aborted requests end at their next token).
+        # No prefix cache on CPU; as SGLang, no request may hold a KV cache (``?timeout=S``: wait up to S s for it)
         ok = self.gate.wait_idle(float(body.get("timeout") or 0))
         text = "Cache flushed.\n" if ok else "Cache not flushed because there are pending requests.\n"
         return web.Response(text=text, status=200 if ok else 400)
