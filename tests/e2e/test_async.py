@@ -59,10 +59,11 @@ def test_a_resumed_one_step_off_run_repeats_the_uninterrupted_steps_exactly(tmp_
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
 
 
-def test_one_step_off_under_ray_with_a_tp2_actor(tmp_path):
-    """The default placement (two TP ranks as Ray actors, the engine beside them): the ahead thread's
-    generation overlaps the ranks' update, and every step sees one weight version, one behind."""
-    keys = ["trainer.steps=6", "trainer.export_hf=false", "trainer.async_mode=one_step_off"]
+@pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
+def test_async_under_ray_with_a_tp2_actor(tmp_path, mode):
+    """The default placement (two TP ranks as Ray actors, the engine beside them): the ahead thread's (or
+    the producer's) generation overlaps the ranks' update, and every step sees one weight version, one behind."""
+    keys = ["trainer.steps=6", "trainer.export_hf=false", f"trainer.async_mode={mode}"]
     cfg = load_config(CONFIG, [f"trainer.output_dir={tmp_path / 'ray'}", "logging.tensorboard=false", *keys])
     history = train(cfg)
     assert [m["rollout/staleness"] for m in history] == [0.0] + [1.0] * 5
