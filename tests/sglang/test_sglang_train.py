@@ -86,3 +86,20 @@ def test_tool_calling_rollouts_on_real_sglang(sglang_py, tmp_path):
     cfg = load_config(tools, [*common, f"trainer.output_dir={tmp_path / 'train'}", "trainer.steps=2"])
     history = train(cfg, mode="train", replay_dir=rollout_dir(str(out)))
     assert len(history) == 2 and all(math.isfinite(m["actor/grad_norm"]) for m in history)
+
+
+def test_fully_async_with_partial_rollouts_on_real_sglang(sglang_py, tmp_path):
+    """``trainer.async_mode: fully_async`` against a real SGLang engine: responses long enough that the syncs
+    land mid-generation; SGLang retracts the requests in flight, loads the new weights (verified) and
+    continues them, and its ``weight_versions`` tell the staleness of every sample."""
+    keys = [*LLAMA, f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=4", "trainer.eval_every=0"]
+    keys += ["trainer.export_hf=false", "logging.tensorboard=false", "data.prompts_per_step=4", "rollout.sampling.n=4"]
+    keys += ["rollout.engine=sglang", f"rollout.sglang_python={sglang_py}", "rollout.sync.verify=true"]
+    keys += ["rollout.sampling.max_new_tokens=96", "trainer.async_mode=fully_async"]
+    keys += ["trainer.fully_async.queue_batches=2", "algorithm.mismatch.mode=tis"]
+    history = train(load_config(CONFIG, keys))
+    assert [m["step"] for m in history] == [1, 2, 3, 4]
+    for m in history:
+        assert m["rollout/staleness"] <= 2.0 and m["async/dropped_stale_groups"] == 0.0
+        assert 1.0 <= m["async/versions_per_sample"] <= 3.0
+    assert max(m["async/partial_samples"] for m in history) > 0, [m["async/partial_samples"] for m in history]
