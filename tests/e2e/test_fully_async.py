@@ -34,7 +34,14 @@ def run(out, *overrides):
 
 @pytest.fixture
 def slow_engine(monkeypatch):
-    monkeypatch.setenv(SLOW_ENGINE, "0.05")  # 64 samples x 4 tokens: longer than an update here
+    # A round (a prefill and 4 decode steps of 64 samples) then takes ~1.3 s, 10x an update here: the sync lands
+    # while the next round is in flight on any machine whose update is not that slow. (0.05 s made the round only
+    # 2.5x an update here, and a slower CI machine's update outlasted it: no sync landed mid-round.)
+    monkeypatch.setenv(SLOW_ENGINE, "0.25")
+
+
+def _timings(history) -> list[tuple[float, float]]:
+    return [(round(m["time/rollout_s"], 2), round(m["time/update_s"] + m["time/sync_s"], 2)) for m in history]
 
 
 def test_syncs_mid_generation_continue_the_requests_and_their_tokens_carry_both_versions(tmp_path, slow_engine):
@@ -42,7 +49,7 @@ def test_syncs_mid_generation_continue_the_requests_and_their_tokens_carry_both_
     KV cache on the new weights)."""
     history = run(tmp_path / "run", "trainer.steps=6", "trainer.fully_async.queue_batches=2")
     partial = [m["async/partial_samples"] for m in history]
-    assert max(partial) > 0.5, partial  # most of a round straddled a sync
+    assert max(partial) > 0.5, (partial, "(round s, update + sync s):", _timings(history))  # a round straddled a sync
     for m in history:
         assert m["rollout/staleness"] <= 2.0 and m["async/dropped_stale_groups"] == 0.0
         assert sum(m[f"async/staleness_hist/{k}"] for k in range(3)) == pytest.approx(1.0)
@@ -54,7 +61,7 @@ def test_syncs_mid_generation_continue_the_requests_and_their_tokens_carry_both_
 def test_syncs_mid_generation_abort_the_requests_and_they_are_generated_again(tmp_path, slow_engine):
     keys = ["trainer.steps=6", "trainer.fully_async.queue_batches=2", "trainer.fully_async.partial_rollout=abort"]
     history = run(tmp_path / "run", *keys)
-    assert sum(m["rollout/regenerated_samples"] for m in history) > 0
+    assert sum(m["rollout/regenerated_samples"] for m in history) > 0, _timings(history)
     assert all(m["async/partial_samples"] == 0.0 and m["rollout/staleness"] <= 2.0 for m in history)
     assert all(m["response/length_mean"] > 1.0 for m in history)  # whole answers, not cut-off stumps
 
