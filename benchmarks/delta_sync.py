@@ -14,7 +14,14 @@ Both are ``load_format=per_tensor`` over gloo into the same engine, interleaved 
 the last step the engine's per-tensor sha256 (``/weights_checksum``) must equal the trainer's export,
 every tensor, or the run fails: the deltas reproduce the trainer's weights bit for bit.
 
-Run: ``python benchmarks/delta_sync.py [--size 50m] [--steps 5] [--lrs 1e-6,1e-5] [--dtypes bf16,fp32]``.
+``--engine sglang``: the real SGLang server (CPU backend, bf16 serving) with rlsys's delta loader
+(``rlsys.rollout.sglang_delta``) instead. SGLang has no checksum endpoint (and reads back only Llama
+weights), so exactness is checked on what it serves: greedy log-probs of 4 prompts after the last delta sync
+must equal, bit for bit, those after one more full sync of the same weights (and differ from those before the
+last update, or the comparison would prove nothing).
+
+Run: ``python benchmarks/delta_sync.py [--size 50m] [--steps 5] [--lrs 1e-6,1e-5] [--dtypes bf16,fp32]
+[--engine cpu|sglang]``.
 About 3 minutes on 2 CPU cores at the defaults. JSON: ``benchmarks/results/delta_sync_<timestamp>.json``.
 """
 
@@ -31,7 +38,31 @@ import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sync import ENGINE_DTYPES, MODELS, RESULTS_DIR, _random_fill, write_start_checkpoint  # noqa: E402
+from sync import ENGINE_DTYPES, MODELS, REPO, RESULTS_DIR, _random_fill, write_start_checkpoint  # noqa: E402
+
+
+def _launch_sglang(python: str, hf_dir: str, tmp: str):
+    """SGLang's CPU server on ``hf_dir`` with rlsys's delta loader; ``(process with terminate/wait, url)``."""
+    from rlsys.rollout.launch import local_cpu_sglang
+
+    if not os.path.exists(python):
+        sys.exit(f"--engine sglang: no SGLang interpreter at {python}; run tests/sglang/setup_sglang_cpu.sh")
+    log = os.path.join(tmp, f"sglang_{os.path.basename(hf_dir)}.log")
+    server = local_cpu_sglang(python, hf_dir, log, skip_tokenizer_init=True, delta=True)
+    server.start()
+    server.wait_healthy(timeout_s=600)
+    return _Stopper(server), server.url
+
+
+class _Stopper:
+    def __init__(self, server):
+        self.server = server
+
+    def terminate(self):
+        self.server.stop()
+
+    def wait(self, timeout=None):
+        pass
 
 
 def _batch(vocab: int, seed: int):
@@ -44,6 +75,13 @@ def _batch(vocab: int, seed: int):
     batch = TrainBatch(seqs, [16] * 8)
     batch.set("advantages", [torch.full((48,), float(torch.randint(0, 2, (1,), generator=g)) * 2 - 1) for _ in seqs])
     return batch
+
+
+def _served(client, vocab: int) -> list:
+    """Greedy log-probs SGLang serves for 4 fixed prompts: equal lists mean equal weights for this check."""
+    prompts = [[(7 * i + j) % vocab for j in range(12)] for i in range(4)]
+    outs = client.generate(prompts, {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True})
+    return [(o.output_ids, o.logprobs) for o in outs]
 
 
 def _trainer(hf_dir: str, url: str, dtype: str, lr: float, steps: int, out_path: str) -> None:
@@ -93,17 +131,27 @@ def _trainer(hf_dir: str, url: str, dtype: str, lr: float, steps: int, out_path:
         print(f"  step {step + 1}: delta {d.bytes / 1e6:.2f} MB {d.seconds:.2f}s, full {f.bytes / 1e6:.0f} MB "
               f"{f.seconds:.2f}s", flush=True)  # fmt: skip
     d = delta.sync(engine.chunks)  # a last delta with nothing changed since the full sync: nothing to send
-    reply = requests.post(url + "/weights_checksum", json={}, timeout=600).json()
-    got, stored = reply["checksums"], reply["dtypes"]  # the engine keeps norms in fp32: compare in its dtype
-    trainer = {n: tensor_checksum(t.to(getattr(torch, stored.get(n, "float32")))) for n, t in iter_hf_tensors(
-        engine.chunks, arch, topo)}  # fmt: skip
-    wrong = [n for n in got if got[n] != trainer.get(n)]
+    if client.server_info().get("engine") != "rlsys-cpu":  # SGLang: what it serves, after deltas and whole
+        before = _served(client, arch.vocab_size)
+        worker.update(_batch(arch.vocab_size, steps))
+        delta.sync(engine.chunks)
+        after_deltas = _served(client, arch.vocab_size)
+        full.sync(engine.chunks)
+        compared, wrong = 1, [] if _served(client, arch.vocab_size) == after_deltas else ["greedy log-probs"]
+        if after_deltas == before:  # the check would pass whatever the deltas did
+            wrong.append("log-probs (unchanged by the last update: nothing to compare)")
+    else:
+        reply = requests.post(url + "/weights_checksum", json={}, timeout=600).json()
+        got, stored = reply["checksums"], reply["dtypes"]  # the engine keeps norms in fp32: compare in its dtype
+        trainer = {n: tensor_checksum(t.to(getattr(torch, stored.get(n, "float32")))) for n, t in iter_hf_tensors(
+            engine.chunks, arch, topo)}  # fmt: skip
+        compared, wrong = len(got), [n for n in got if got[n] != trainer.get(n)]
     delta.disconnect()
     full.disconnect()
     destroy_topology()
     dist.barrier()
     with open(out_path, "w") as fh:
-        json.dump(dict(first_bytes=first.bytes, rows=rows, idle_bytes=d.bytes, compared=len(got), wrong=wrong), fh)
+        json.dump(dict(first_bytes=first.bytes, rows=rows, idle_bytes=d.bytes, compared=compared, wrong=wrong), fh)
 
 
 def main() -> int:
@@ -112,6 +160,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--lrs", default="1e-6,1e-5")
     parser.add_argument("--dtypes", default="bf16,fp32")
+    parser.add_argument("--engine", default="cpu", choices=("cpu", "sglang"))
+    parser.add_argument("--sglang-python", default=os.path.join(REPO, ".sglang_cpu", "bin", "python"))
     parser.add_argument("--json", help="default: benchmarks/results/delta_sync_<timestamp>.json")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -123,7 +173,10 @@ def main() -> int:
         for dtype in args.dtypes.split(","):
             hf_dir = os.path.join(tmp, f"hf-{dtype}")
             params = write_start_checkpoint(args.size, hf_dir, dtype_name=dtype)
-            proc, url = launch_cpu_engine(hf_dir, dtype=ENGINE_DTYPES[dtype], timeout_s=600)
+            if args.engine == "sglang":
+                proc, url = _launch_sglang(args.sglang_python, hf_dir, tmp)
+            else:
+                proc, url = launch_cpu_engine(hf_dir, dtype=ENGINE_DTYPES[dtype], timeout_s=600)
             try:
                 for lr in [float(x) for x in args.lrs.split(",")]:
                     print(f"[{args.size} {dtype} lr {lr:g}] {params / 1e6:.0f}M params", flush=True)
@@ -132,9 +185,9 @@ def main() -> int:
                     with open(out) as fh:
                         res = json.load(fh)
                     if res["wrong"] or not res["compared"]:
-                        print(f"FAILED: {len(res['wrong'])} engine tensors differ from the trainer's", flush=True)
+                        print(f"FAILED: the engine's {', '.join(res['wrong'])} differ from the trainer's", flush=True)
                         return 1
-                    results.append(dict(size=args.size, dtype=dtype, lr=lr, params=params, **res))
+                    results.append(dict(size=args.size, dtype=dtype, lr=lr, params=params, engine=args.engine, **res))
             finally:
                 proc.terminate()
                 proc.wait(timeout=30)
@@ -148,7 +201,8 @@ def main() -> int:
             f"{med['delta_s']:8.2f} {med['full_s'] / med['delta_s']:5.1f}x"
         )
     elapsed = time.perf_counter() - started
-    print(f"every engine tensor equal to the trainer's after the last step (sha256); {elapsed:.0f}s")
+    how = "(sha256)" if args.engine == "cpu" else "(SGLang: greedy log-probs equal to a full sync's)"
+    print(f"every engine tensor equal to the trainer's after the last step {how}; {elapsed:.0f}s")
     path = args.json or os.path.join(RESULTS_DIR, f"delta_sync_{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as fh:

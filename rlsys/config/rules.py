@@ -280,13 +280,6 @@ def _check_engine_memory(cfg: RunConfig) -> None:
         )
     if cfg.rollout.sync.delta:
         _need(
-            cfg.rollout.engine == "cpu",
-            "rollout.sync.delta",
-            True,
-            "applies changed elements in place, which only rlsys's CPU engine does (SGLang's loaders take whole "
-            "tensors): set rollout.engine: cpu or rollout.sync.delta: false",
-        )
-        _need(
             not releases_engine_memory(cfg),
             "rollout.sync.delta",
             True,

@@ -119,7 +119,8 @@ class SyncConfig:
     master_address: str | None = None  # address engines reach trainer rank 0 at; None = this host's
     timeout_s: float = 300.0  # bound on every HTTP call and collective of a sync
     verify: bool = False  # after each sync compare per-tensor checksums of every engine with the trainer's
-    # after a full sync, send only the elements that changed (rlsys.sync.delta; rlsys's CPU engine only)
+    # after a full sync, send only the elements that changed (rlsys.sync.delta; into SGLang through rlsys's
+    # loader in its process, rlsys.rollout.sglang_delta)
     delta: bool = False
     # what happens to requests still generating when a sync pauses the engines: abort (they end, finish_reason
     # "abort"), retract (parked, their KV cache recomputed on the new weights when they continue: partial

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from rlsys.errors import ConfigError
 from rlsys.local_ranks import cpu_flags, free_port, node_address
+from rlsys.rollout import sglang_delta
 from rlsys.rollout.pool import EnginePool
 from rlsys.rollout.process import ServerProcess
 from rlsys.rollout.remote import RemoteServer
@@ -175,11 +176,16 @@ def local_cpu_sglang(
     seed: int = 0,
     extra_args: Sequence[str] = (),
     skip_tokenizer_init: bool = False,
+    delta: bool = False,
 ) -> ServerProcess:
     """Engine ``index`` of ``engines`` on SGLang's CPU backend on this machine (not started): bf16, its own
-    cores, the environment it needs. For tests and benchmarks; a run's engines come from ``start_engines``."""
+    cores, the environment it needs (``delta``: and rlsys's delta loader, ``rlsys.rollout.sglang_delta``). For
+    tests and benchmarks; a run's engines come from ``start_engines``."""
     port = free_port()
     binding = core_binding(index, engines, tp, sorted(os.sched_getaffinity(0)))
+    env = sglang_cpu_env(python, binding)
+    if delta:
+        extra_args, env["PYTHONPATH"] = sglang_delta.server_args(list(extra_args)), sglang_delta.python_path()
     cmd = sglang_command(
         model,
         tp,
@@ -190,7 +196,7 @@ def local_cpu_sglang(
         extra_args,
         python=python,
         device="cpu",
-        cpu_env=sglang_cpu_env(python, binding),
+        cpu_env=env,
         skip_tokenizer_init=skip_tokenizer_init,
     )
     return ServerProcess(cmd, f"http://127.0.0.1:{port}", log_file=log_file, name=f"sglang[{index}]", stop_grace_s=5)
@@ -349,10 +355,12 @@ def _engine_command(
     if cfg.engine == "cpu":
         peers = weight_peers(cfg.sync.master_address)
         return cpu_engine_command(model_dir, seed + index, host, port, key, cfg.sync.bucket_mb, peers) + routed_flag
-    env = dict(cfg.sglang_env)
+    env, extra = dict(cfg.sglang_env), [*routed_flag, *cfg.sglang_args]
     if device == "cpu":
         binding = core_binding(index, cfg.num_engines, cfg.tp, sorted(os.sched_getaffinity(0)))
         env = {**sglang_cpu_env(cfg.sglang_python, binding), **env}
+    if cfg.sync.delta:  # deltas become whole tensors in SGLang's process, through rlsys's loader there
+        extra, env["PYTHONPATH"] = sglang_delta.server_args(extra), sglang_delta.python_path(env.get("PYTHONPATH"))
     return sglang_command(
         model_dir,
         cfg.tp,
@@ -360,7 +368,7 @@ def _engine_command(
         cfg.mem_fraction,
         dtype,
         seed + index,
-        [*routed_flag, *cfg.sglang_args],
+        extra,
         python=cfg.sglang_python,
         host=host,
         base_gpu_id=base_gpu_id,

@@ -47,12 +47,21 @@ def sglang_python() -> str:
 
 
 def start_sglang(
-    python: str, model: str, log_dir: str, *, tp: int = 1, index: int = 0, engines: int = 1, extra: tuple = ()
+    python: str,
+    model: str,
+    log_dir: str,
+    *,
+    tp: int = 1,
+    index: int = 0,
+    engines: int = 1,
+    extra: tuple = (),
+    delta: bool = False,
 ) -> tuple[ServerProcess, EngineClient]:
-    """A real SGLang CPU server the way ``rlsys.rollout.launch`` starts one, healthy and version-checked."""
+    """A real SGLang CPU server the way ``rlsys.rollout.launch`` starts one, healthy and version-checked
+    (``delta``: with rlsys's delta loader, as for ``rollout.sync.delta``)."""
     log_file = os.path.join(log_dir, f"sglang_{index}.log")  # appended to by every start
     server = local_cpu_sglang(
-        python, model, log_file, tp=tp, index=index, engines=engines, seed=7 + index, extra_args=extra
+        python, model, log_file, tp=tp, index=index, engines=engines, seed=7 + index, extra_args=extra, delta=delta
     )
     server.start()
     try:

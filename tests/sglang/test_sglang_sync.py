@@ -58,6 +58,7 @@ def _trainer(hf_dir, url, layout, opts, out_dir):
         verify=opts.get("verify", True),
         transports=[opts.get("transport", "broadcast")] if rank0 else [],
         pause_mode=opts.get("pause_mode", "abort"),
+        delta=opts.get("delta", False),
     )
     sync.version = opts.get("version", 1) - 1  # sync() increments it
     result = {"rank": dist.get_rank()}
@@ -68,6 +69,9 @@ def _trainer(hf_dir, url, layout, opts, out_dir):
     try:
         stats = sync.sync(worker.engine.chunks)
         result.update(buckets=stats.buckets, tensors=stats.tensors, bytes=stats.bytes)
+        result["rounds"] = [_changed_sync(worker, sync, r) for r in range(opts.get("rounds", 0))]
+        if opts.get("rounds"):
+            result["differ"] = _engine_differs(client, worker, topo)
         if rank0:
             result["verified"] = [(r.method, r.checked) for r in sync.last_verification]
     except Exception as e:
@@ -92,6 +96,35 @@ def _trainer(hf_dir, url, layout, opts, out_dir):
         json.dump(result, f)
     if "error" not in result:
         sync.disconnect()
+
+
+@torch.no_grad()
+def _changed_sync(worker, sync, round_: int) -> dict:
+    """Change a sparse, round-dependent 2% of every parameter's elements (enough to change them in bf16 too),
+    then sync: what a delta sync sends as deltas."""
+    g = torch.Generator().manual_seed(round_)
+    for p in (p for chunk in worker.engine.chunks for p in chunk.parameters()):
+        flat = p.data.view(-1)
+        picked = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 50)]
+        flat[picked] = flat[picked] * 1.5 + 0.01
+    stats = sync.sync(worker.engine.chunks)
+    return dict(bytes=stats.bytes, full=stats.full)
+
+
+def _engine_differs(client, worker, topo) -> list[str]:
+    """The HF tensors the engine serves other than the trainer's cast to its bf16, compared whole and exactly
+    (a collective: every rank takes part in the gathers, rank 0 compares)."""
+    from rlsys.megatron.export import iter_hf_tensors
+
+    differ = []
+    for name, ours in iter_hf_tensors(worker.engine.chunks, worker.engine.arch, topo):
+        if client is None:
+            continue
+        body = {"name": name, "truncate_size": ours.shape[0]}
+        theirs = torch.tensor(client.request("POST", "/get_weights_by_name", json=body))
+        if not torch.equal(theirs, ours.to(torch.bfloat16).float()):
+            differ.append(name)
+    return differ
 
 
 class _InFlight:
@@ -231,6 +264,33 @@ def test_a_sync_that_parks_the_requests_continues_them_on_the_new_weights(sglang
         assert spans and spans[-1][0] == after and spans[-1][2] == 500, spans
         assert all(a[2] == b[1] for a, b in zip(spans, spans[1:])) and spans[0][1] == 0, spans
     assert any(len(spans) == 2 and spans[0][0] == before for _, _, spans in reports[0]["inflight"])
+
+
+@pytest.mark.parametrize(
+    "opts", [{"dtype": "bf16"}, {"load_format": "per_tensor"}], ids=["bf16-flattened", "fp32-per-tensor"]
+)
+def test_delta_syncs_into_sglang_keep_every_tensor_equal_to_the_trainer(sglang_py, tiny_llama, trained, tmp_path, opts):
+    """rlsys's loader in SGLang (``rlsys.rollout.sglang_delta``) rebuilds each delta's whole tensor: after one full
+    sync and three of 2% changes each, every tensor SGLang serves equals the trainer's (cast to bf16) exactly,
+    and each delta sync sent a small share of the full one's bytes."""
+    server, client = start_sglang(sglang_py, tiny_llama, str(tmp_path), delta=True)
+    try:
+        reports = run_sync(trained, client.url, tmp_path, delta=True, rounds=3, verify=True, **opts)
+    finally:
+        server.stop()
+    sender = reports[0]
+    assert "error" not in sender, sender
+    assert [r["full"] for r in sender["rounds"]] == [False] * 3
+    assert all(0 < r["bytes"] < sender["bytes"] / 4 for r in sender["rounds"]), (sender["rounds"], sender["bytes"])
+    assert sender["differ"] == [] and sender["verified"] == [["sampled", 21]]
+
+
+def test_delta_into_sglang_without_the_loader_is_refused_at_once(sglang_engine, trained, tmp_path):
+    _, client = sglang_engine
+    reports = run_sync(trained, client.url, tmp_path, delta=True)
+    assert all("rollout.sync.delta" in r["error"] and "--custom-weight-loader" in r["error"] for r in reports)
+    assert max(r["seconds"] for r in reports) < 10, reports
+    assert "error" not in run_sync(trained, client.url, tmp_path)[0]  # nothing was left paused or half-sent
 
 
 def test_release_and_resume_memory_then_resync(sglang_engine, trained, tmp_path):

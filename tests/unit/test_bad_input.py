@@ -77,7 +77,6 @@ CASES = [
     ("grpo with n=1", None, lambda f: ["rollout.sampling.n=1"], ["n >= 2"]),
     ("bad-lines share", None, lambda f: ["data.max_bad_lines=2"], ["data.max_bad_lines"]),
     ("bad-steps", None, lambda f: ["trainer.max_bad_steps=-1"], ["trainer.max_bad_steps"]),
-    ("delta into sglang", None, lambda f: ["rollout.sync.delta=true", "rollout.engine=sglang"], ["rollout.sync.delta"]),
     (
         "delta with released weights",
         None,
