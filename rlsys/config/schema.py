@@ -120,7 +120,7 @@ class SyncConfig:
     timeout_s: float = 300.0  # bound on every HTTP call and collective of a sync
     verify: bool = False  # after each sync compare per-tensor checksums of every engine with the trainer's
     # after a full sync, send only the elements that changed (rlsys.sync.delta; into SGLang through rlsys's
-    # loader in its process, rlsys.rollout.sglang_delta)
+    # loader in its process, rlsys.rollout.in_sglang.delta_loader)
     delta: bool = False
     # what happens to requests still generating when a sync pauses the engines: abort (they end, finish_reason
     # "abort"), retract (parked, their KV cache recomputed on the new weights when they continue: partial

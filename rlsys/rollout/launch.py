@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import os
 import platform
 import secrets
@@ -31,9 +32,9 @@ from typing import TYPE_CHECKING
 
 from rlsys.errors import ConfigError
 from rlsys.local_ranks import cpu_flags, free_port, node_address
-from rlsys.rollout import sglang_delta
 from rlsys.rollout.pool import EnginePool
 from rlsys.rollout.process import ServerProcess
+from rlsys.rollout.protocol import CUSTOM_LOADER_FLAG, DELTA_LOADER
 from rlsys.rollout.remote import RemoteServer
 
 if TYPE_CHECKING:
@@ -108,6 +109,32 @@ def sglang_cpu_env(python: str, binding: str) -> dict[str, str]:
     return env
 
 
+def delta_loader_args(extra: list[str]) -> list[str]:
+    """SGLang flags ``extra`` with rlsys's delta loader among the custom weight loaders (``rollout.sync.delta``)."""
+    if DELTA_LOADER in extra:
+        return list(extra)
+    if CUSTOM_LOADER_FLAG in extra:  # the user's own loaders stay; nargs="*" takes every value up to the next flag
+        at = extra.index(CUSTOM_LOADER_FLAG) + 1
+        return [*extra[:at], DELTA_LOADER, *extra[at:]]
+    return [*extra, CUSTOM_LOADER_FLAG, DELTA_LOADER]
+
+
+def delta_loader_path(existing: str | None = None) -> str:
+    """A ``PYTHONPATH`` under which SGLang imports rlsys's delta loader: a folder holding only a link to the
+    ``rlsys`` package (the repository root would also put its ``tests``, ``tools`` and ``benchmarks`` ahead of
+    SGLang's own modules)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tag = hashlib.sha256(package.encode()).hexdigest()[:12]
+    folder = os.path.join(tempfile.gettempdir(), f"rlsys-sglang-path-{tag}")
+    link = os.path.join(folder, "rlsys")
+    if os.path.realpath(link) != package:
+        os.makedirs(folder, exist_ok=True)
+        tmp = f"{link}.{os.getpid()}"
+        os.symlink(package, tmp)
+        os.replace(tmp, link)  # atomic: engines starting side by side never see a half-made link
+    return folder if not existing else f"{folder}{os.pathsep}{existing}"
+
+
 # ------------------------------------------------------------ command lines
 
 
@@ -179,13 +206,13 @@ def local_cpu_sglang(
     delta: bool = False,
 ) -> ServerProcess:
     """Engine ``index`` of ``engines`` on SGLang's CPU backend on this machine (not started): bf16, its own
-    cores, the environment it needs (``delta``: and rlsys's delta loader, ``rlsys.rollout.sglang_delta``). For
+    cores, the environment it needs (``delta``: and rlsys's delta loader, ``rlsys.rollout.in_sglang``). For
     tests and benchmarks; a run's engines come from ``start_engines``."""
     port = free_port()
     binding = core_binding(index, engines, tp, sorted(os.sched_getaffinity(0)))
     env = sglang_cpu_env(python, binding)
     if delta:
-        extra_args, env["PYTHONPATH"] = sglang_delta.server_args(list(extra_args)), sglang_delta.python_path()
+        extra_args, env["PYTHONPATH"] = delta_loader_args(list(extra_args)), delta_loader_path()
     cmd = sglang_command(
         model,
         tp,
@@ -360,7 +387,7 @@ def _engine_command(
         binding = core_binding(index, cfg.num_engines, cfg.tp, sorted(os.sched_getaffinity(0)))
         env = {**sglang_cpu_env(cfg.sglang_python, binding), **env}
     if cfg.sync.delta:  # deltas become whole tensors in SGLang's process, through rlsys's loader there
-        extra, env["PYTHONPATH"] = sglang_delta.server_args(extra), sglang_delta.python_path(env.get("PYTHONPATH"))
+        extra, env["PYTHONPATH"] = delta_loader_args(extra), delta_loader_path(env.get("PYTHONPATH"))
     return sglang_command(
         model_dir,
         cfg.tp,

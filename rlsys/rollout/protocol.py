@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import math
+import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,7 @@ import numpy as np
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from rlsys.errors import UserError
+from rlsys.errors import ConfigError, UserError
 
 # The request fields sent below are identical in sglang 0.5.20-0.5.23 (compared class by class in the
 # released wheels); the contract test runs against 0.5.23. 0.5.21 replaced update_weights_from_tensor's
@@ -406,6 +407,31 @@ def update_weights_from_tensor_payload(
         "abort_all_requests": bool(abort_all_requests),
         "weight_version": _version(weight_version),
     }
+
+
+# rlsys's loader inside SGLang for delta syncs (rlsys.rollout.in_sglang.delta_loader): the server's flag, and the
+# load_format of the update_weights_from_tensor call (no tensors) that arms it before each full sync
+DELTA_LOADER = "rlsys.rollout.in_sglang.delta_loader.arm"
+CUSTOM_LOADER_FLAG = "--custom-weight-loader"
+
+
+def arm_delta_loader_payload(tp: int) -> list[str]:
+    """``serialized_named_tensors`` of the arming call: an empty pickled list per TP rank."""
+    return [base64.b64encode(pickle.dumps([])).decode()] * tp
+
+
+def runs_delta_loader(url: str, server_info: dict) -> bool:
+    """Whether the engine needs its delta loader armed (SGLang) or applies deltas itself (rlsys's CPU engine);
+    ``ConfigError`` for SGLang started without the loader (``/server_info`` lists its custom loaders)."""
+    if server_info.get("engine") == "rlsys-cpu":
+        return False
+    if DELTA_LOADER not in (server_info.get("custom_weight_loader") or []):
+        raise ConfigError(
+            "rollout.sync.delta",
+            f"{url} is SGLang without rlsys's delta loader: start it with {CUSTOM_LOADER_FLAG} {DELTA_LOADER} and "
+            "rlsys on its PYTHONPATH (rlsys does both for the engines it launches), or set rollout.sync.delta: false",
+        )
+    return True
 
 
 def begin_weight_update_payload(selector: str = "all") -> dict:

@@ -45,7 +45,7 @@ SGLang release) is agreed on before any gather starts. After a failure mid-sync 
 With ``delta`` (``rollout.sync.delta``) each writer sends, after a full sync, only what changed since its
 last send (``rlsys.sync.delta``: indices or a bitmap plus values per tensor, or the whole tensor, whichever
 is smallest; nothing for an unchanged one), and the engines apply it in place (SGLang through rlsys's loader in
-its process, ``rlsys.rollout.sglang_delta``, armed on every full sync). Rank 0 decides per sync and
+its process, ``rlsys.rollout.in_sglang.delta_loader``, armed on every full sync). Rank 0 decides per sync and
 tells every rank: a sync is whole after a (re)connect (a restarted engine holds its checkpoint's weights)
 and after any failure (the engines' copies are partly new). Each writer keeps its last sent tensors (one
 copy of its share, on its device); with ``verify`` rank 0 also mirrors what the other writers sent, so that
@@ -84,7 +84,7 @@ import torch.distributed as dist
 from rlsys.architectures.fp8 import quantize_named_tensors
 from rlsys.local_ranks import listening_store, node_address
 from rlsys.megatron.export import is_dense_writer, is_expert_writer, iter_hf_tensors
-from rlsys.rollout import sglang_delta
+from rlsys.rollout import protocol
 from rlsys.rollout.protocol import PAUSE_MODES, needs_weight_update_session
 from rlsys.sync.buckets import Bucket, Bucketer, Handoff, WriterFailed, recv_bucket, send_bucket, send_end
 from rlsys.sync.colocated import serialize_flattened_bucket
@@ -210,8 +210,11 @@ class DistributedWeightSync:
         _first_error(
             [self._calls.submit(e.check_version, timeout_s=self.timeout_s) for e in self.engines], self.timeout_s
         )
-        if self.delta is not None:
-            self._shadowed = sglang_delta.delta_loaders(self.engines, self.engine_tp, self.timeout_s)
+        if self.delta is not None:  # SGLang applies deltas through rlsys's loader in its process, armed per full sync
+            infos = [e.server_info(timeout_s=self.timeout_s) for e in self.engines]
+            self._shadowed = [
+                (e, tp) for e, tp, i in zip(self.engines, self.engine_tp, infos) if protocol.runs_delta_loader(e.url, i)
+            ]
         casts = [(e, tp) for e, tp, t in zip(self.engines, self.engine_tp, self.transports) if t == "broadcast"]
         if not casts:
             self.connected = True
@@ -371,8 +374,10 @@ class DistributedWeightSync:
                 self._sessions.append(e)
         if self.delta is not None and self.last_full:  # SGLang's delta loader: a fresh shadow, which this sync fills
             for e, tp in self._shadowed:
-                payload = sglang_delta.arm_payload(tp)
-                e.update_weights_from_tensor(payload, sglang_delta.ARM, flush_cache=False, timeout_s=self.timeout_s)
+                payload = protocol.arm_delta_loader_payload(tp)
+                e.update_weights_from_tensor(
+                    payload, protocol.DELTA_LOADER, flush_cache=False, timeout_s=self.timeout_s
+                )
         self._checks = None
         if self.verify:
             if self._views is None:

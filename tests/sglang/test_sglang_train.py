@@ -19,11 +19,13 @@ LLAMA += [f"model.hf_config.{k}={v}" for k, v in TINY_LLAMA.items() if k in ("nu
 
 
 @pytest.mark.parametrize(
-    "engines,transport,trainer_dtype",
-    [(1, "tensor", "fp32"), (2, "broadcast", "bf16")],
-    ids=["1-engine-colocated-tensor-fp32", "2-engines-broadcast-bf16"],
+    "engines,transport,trainer_dtype,delta",
+    [(1, "tensor", "fp32", False), (2, "broadcast", "bf16", False), (1, "broadcast", "bf16", True)],
+    ids=["1-engine-colocated-tensor-fp32", "2-engines-broadcast-bf16", "1-engine-delta-bf16"],
 )
-def test_grpo_on_real_sglang(sglang_py, tmp_path, engines, transport, trainer_dtype):
+def test_grpo_on_real_sglang(sglang_py, tmp_path, engines, transport, trainer_dtype, delta):
+    """``delta``: the engine rlsys launches runs rlsys's delta loader (its flag and PYTHONPATH); after the first,
+    whole sync only the changes go."""
     out = tmp_path / "run"
     cfg = load_config(
         CONFIG,
@@ -42,9 +44,13 @@ def test_grpo_on_real_sglang(sglang_py, tmp_path, engines, transport, trainer_dt
             f"rollout.sync.transport={transport}",
             "rollout.sync.verify=true",
             f"model.dtype={trainer_dtype}",
+            f"rollout.sync.delta={str(delta).lower()}",
         ],
     )
     history = train(cfg)
+    if delta:  # the sync at the start was whole; each step's sent what changed, verified (below)
+        assert [m["sync/full"] for m in history] == [0.0, 0.0, 0.0]
+        assert all(m["sync/bytes"] > 0 for m in history)
     assert [m["step"] for m in history] == [1, 2, 3]
     bound = 1e-2 if trainer_dtype == "fp32" else 5e-2  # bf16 serving; measured 2.8e-3 / 1.6e-2 (README)
     for m in history:

@@ -1,4 +1,4 @@
-"""rlsys's delta loader for SGLang (rlsys.rollout.sglang_delta), on a module with SGLang's ``load_weights``
+"""rlsys's delta loader for SGLang (rlsys.rollout.in_sglang.delta_loader), on a module with SGLang's ``load_weights``
 contract: deltas become whole tensors, bit for bit; a delta without its whole value is refused. (Against the real
 SGLang server: tests/sglang/test_sglang_sync.py.)"""
 
@@ -10,8 +10,12 @@ import pytest
 import torch
 
 from rlsys.errors import ConfigError
-from rlsys.rollout import sglang_delta
-from rlsys.rollout.sglang_delta import ARM, FLAG, arm, delta_loaders, server_args
+from rlsys.rollout.in_sglang import delta_loader as delta_loader_module
+from rlsys.rollout.in_sglang.delta_loader import ShadowLoads, arm
+from rlsys.rollout.launch import delta_loader_args, delta_loader_path
+from rlsys.rollout.protocol import CUSTOM_LOADER_FLAG as FLAG
+from rlsys.rollout.protocol import DELTA_LOADER as ARM
+from rlsys.rollout.protocol import runs_delta_loader
 from rlsys.sync.delta import DeltaEncoder
 
 
@@ -59,44 +63,34 @@ def test_a_delta_without_its_whole_value_is_refused_and_arming_again_forgets_the
     trainer = {"w": torch.randn(64, 32), "b": torch.randn(32)}
     model.load_weights(_sent(encoder, trainer))
     arm(model, [])  # a full sync begins: the shadow is refilled by it
-    assert isinstance(model.load_weights, sglang_delta.ShadowLoads)
-    assert not isinstance(model.load_weights.load, sglang_delta.ShadowLoads)  # wrapped once, not twice
+    assert isinstance(model.load_weights, ShadowLoads)
+    assert not isinstance(model.load_weights.load, ShadowLoads)  # wrapped once, not twice
     trainer["w"][0, 0] += 1.0
     with pytest.raises(ValueError, match="has not received since it was armed"):
         model.load_weights(_sent(encoder, trainer))
 
 
 def test_server_args_add_the_loader_once_and_keep_the_users_own():
-    assert server_args([]) == [FLAG, ARM]
-    assert server_args(["--x", "1", FLAG, "my.loader", "--y"]) == ["--x", "1", FLAG, ARM, "my.loader", "--y"]
-    assert server_args([FLAG, ARM]) == [FLAG, ARM]
+    assert delta_loader_args([]) == [FLAG, ARM]
+    assert delta_loader_args(["--x", "1", FLAG, "my.loader", "--y"]) == ["--x", "1", FLAG, ARM, "my.loader", "--y"]
+    assert delta_loader_args([FLAG, ARM]) == [FLAG, ARM]
 
 
 def test_the_python_path_exposes_only_rlsys(tmp_path):
-    folder = sglang_delta.python_path()
+    folder = delta_loader_path()
     assert os.listdir(folder) == ["rlsys"]
-    code = "import rlsys.rollout.sglang_delta as m, sys; print(m.__file__); print('rlsys.megatron' in sys.modules)"
+    code = f"import {ARM.rpartition('.')[0]} as m, sys; print(m.__file__); print('rlsys.megatron' in sys.modules)"
     env = {"PYTHONPATH": folder, "PATH": os.environ["PATH"]}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     path, heavy = out.stdout.split()
-    assert os.path.samefile(path, sglang_delta.__file__) and heavy == "False"  # SGLang's venv has no megatron
-    assert sglang_delta.python_path("/x").endswith(os.pathsep + "/x")
+    assert os.path.samefile(path, delta_loader_module.__file__) and heavy == "False"  # SGLang's has no megatron
+    assert delta_loader_path("/x").endswith(os.pathsep + "/x")
 
 
-class _Engine:
-    def __init__(self, url, info):
-        self.url, self.info = url, info
-
-    def server_info(self, timeout_s=None):
-        return self.info
-
-
-def test_delta_loaders_skip_rlsys_engines_and_refuse_sglang_without_the_loader():
-    cpu = _Engine("http://a", {"engine": "rlsys-cpu", "version": "0.5.23"})
-    good = _Engine("http://b", {"version": "0.5.23", "custom_weight_loader": [ARM]})
-    assert delta_loaders([cpu, good], [1, 2], 5) == [(good, 2)]
-    bare = _Engine("http://c", {"version": "0.5.23", "custom_weight_loader": None})
+def test_only_sglang_engines_run_the_loader_and_one_without_it_is_refused():
+    assert not runs_delta_loader("http://a", {"engine": "rlsys-cpu", "version": "0.5.23"})  # applies deltas itself
+    assert runs_delta_loader("http://b", {"version": "0.5.23", "custom_weight_loader": [ARM]})
     with pytest.raises(ConfigError, match="http://c is SGLang without rlsys's delta loader") as e:
-        delta_loaders([cpu, bare], [1, 1], 5)
+        runs_delta_loader("http://c", {"version": "0.5.23", "custom_weight_loader": None})
     assert e.value.path == "rollout.sync.delta" and FLAG in str(e.value)
