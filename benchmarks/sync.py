@@ -1,15 +1,16 @@
 """Trainer -> rollout-engine weight sync: seconds, bytes and GB/s against a raw broadcast and a disk round trip.
 
 For each model (Qwen2-shaped, random weights: ~50M and ~200M parameters in fp32, ~1B in bf16) and each
-trainer layout (TP=2 or PP=2 on two gloo ranks), one CPU engine process (``rlsys.rollout.cpu.server``, the
+trainer layout (TP=2 or PP=2 on two gloo ranks; PP=2 with each stage sending its own buckets, ``pp2``, and
+with stage 1's through rank 0, ``pp2-rank0``), one CPU engine process (``rlsys.rollout.cpu.server``, the
 SGLang protocol on transformers) serves the model, and the two trainer ranks (a ``MegatronEngine`` filled
 with random weights) measure, interleaved per repeat so that load from other processes hits all alike:
 
 * ``ours``: ``DistributedWeightSync.sync`` over gloo with the ``load_format`` a run picks (``--load-format
   auto``: ``per_tensor`` into the CPU engine, which receives each tensor into its parameter, and
   ``flattened_bucket`` into SGLang; the first sync creates the group and is not timed): export gathers,
-  bucketing, flatten (flattened only), funnel (PP: whole buckets), the broadcasts into the engine, the engine's
-  load, pause/flush/continue. Bytes: ``SyncStats.bytes``.
+  bucketing, flatten (flattened only), funnel (pp2-rank0: whole buckets; pp2: headers), the broadcasts into
+  the engine, the engine's load, pause/flush/continue. Bytes: ``SyncStats.bytes``.
 * ``raw`` (a): the same bytes, in buckets of exactly the sizes the sync sent, broadcast from trainer rank 0 to
   trainer rank 1 over a fresh gloo group between the same two trainer processes (1 sender, 1 receiver, one
   host, TCP loopback, as the sync group), from a preallocated buffer, ended by a barrier so the receiver has
@@ -74,7 +75,9 @@ MODELS = {
     ),
 }  # fmt: skip
 COMMON = dict(vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-6)
-LAYOUTS = {"tp2": {"tp": 2}, "pp2": {"pp": 2}}
+# (parallel layout, sync.senders): pp2 has each stage broadcast its own buckets, pp2-rank0 sends stage 1's
+# through rank 0 (the funnel), so the two rows show what the per-stage groups save
+LAYOUTS = {"tp2": ({"tp": 2}, "writers"), "pp2": ({"pp": 2}, "writers"), "pp2-rank0": ({"pp": 2}, "rank0")}
 ENGINE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 # The CPU engine (like SGLang) skips names containing rotary_emb.inv_freq: the wire test's buckets land nowhere.
 WIRE_NAME = "rlsys_bench.rotary_emb.inv_freq"
@@ -218,8 +221,8 @@ class Probe:
             finally:
                 total = time.perf_counter() - start
                 probe.add("engine_reply", total - (probe.get("broadcast") - before))
-                with probe.lock:
-                    probe.bucket_sizes.append(bucket.nbytes)
+                with probe.lock:  # another stage's bucket (pp2): its announcement, its bytes from that stage
+                    probe.bucket_sizes.append(getattr(bucket, "bucket", bucket).nbytes)
 
         sync._broadcast = broadcast_bucket
 
@@ -298,7 +301,7 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def _trainer(hf_dir: str, layout: dict, url: str, dtype: str, args, work_dir: str, out_path: str) -> None:
+def _trainer(hf_dir: str, layout: dict, senders: str, url: str, dtype: str, args, work_dir: str, out_path: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -339,6 +342,7 @@ def _trainer(hf_dir: str, layout: dict, url: str, dtype: str, args, work_dir: st
             master_address="127.0.0.1",
             timeout_s=args.timeout,
             group_name=f"rlsys_bench_{bucket_mb:g}",
+            senders=senders,
         )
         if rank0:
             probe.attach(sync)
@@ -536,7 +540,7 @@ def print_tables(rows: list[dict]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="50m,200m,1b", help=f"comma list of {', '.join(MODELS)}")
-    parser.add_argument("--layouts", default="tp2,pp2", help=f"comma list of {', '.join(LAYOUTS)}")
+    parser.add_argument("--layouts", default="tp2,pp2,pp2-rank0", help=f"comma list of {', '.join(LAYOUTS)}")
     parser.add_argument("--bucket-mb", default="512", help="sync.bucket_mb; a comma list runs each")
     parser.add_argument(
         "--load-format",
@@ -609,7 +613,7 @@ def main() -> int:
                     work = os.path.join(tmp, f"work-{size}-{layout}")
                     os.makedirs(work)
                     t0 = time.perf_counter()
-                    run_on_ranks(_trainer, 2, "cpu", hf_dir, LAYOUTS[layout], url, dtype, args, work, out)
+                    run_on_ranks(_trainer, 2, "cpu", hf_dir, *LAYOUTS[layout], url, dtype, args, work, out)
                     with open(out) as f:
                         res = json.load(f)
                     setup[size]["layouts"][layout] = dict(wall_s=time.perf_counter() - t0, build_s=res["build_s"])

@@ -30,10 +30,8 @@ def _cmd_plan(args) -> int:
 def _cmd_train(args) -> int:
     from rlsys.config import load_config
     from rlsys.controller.loop import train
-    from rlsys.plan import build_plan, model_arch
 
-    cfg = load_config(args.config, args.overrides)
-    build_plan(cfg, model_arch(cfg.model))  # every check rlsys plan makes, memory fit included
+    cfg = load_config(args.config, args.overrides)  # train checks the plan before it starts anything
     mode = "rollout" if args.rollout_only else "train" if args.train_only is not None else "full"
     history = train(cfg, use_ray=not args.no_ray, mode=mode, replay_dir=args.train_only or None)
     if history:

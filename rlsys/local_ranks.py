@@ -72,7 +72,8 @@ def store_client(host: str, port: int, timeout_s: float):
 
 def node_address() -> str:
     """The address other nodes reach this process at: Ray's IP of this node inside a Ray worker or driver
-    (what the engines' hosts and the placement use too), else the launcher's ``MASTER_ADDR``, else loopback.
+    (what the engines' hosts and the placement use too), else this node's address on the route to the
+    launcher's ``MASTER_ADDR`` (torchrun, slurm: on node 0 that may be ``MASTER_ADDR`` itself), else loopback.
     Not ``gethostbyname(gethostname())``: on many machines that is a loopback alias no other node can reach."""
     try:
         import ray
@@ -81,7 +82,15 @@ def node_address() -> str:
             return ray.util.get_node_ip_address()
     except ImportError:
         pass
-    return os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    master = os.environ.get("MASTER_ADDR")
+    if not master:
+        return "127.0.0.1"
+    try:  # a UDP "connect" sends nothing: it only picks the interface that routes to the master
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return master
 
 
 def launched_by_torchrun() -> bool:

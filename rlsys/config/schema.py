@@ -127,6 +127,9 @@ class SyncConfig:
     # rollouts), in_place (parked with their KV cache; no cache flush then, so SGLang's prefix cache keeps
     # entries of older weights); auto: retract under trainer.fully_async.partial_rollout: continue, else abort
     pause_mode: Literal["auto", "abort", "in_place", "retract"] = "auto"
+    # writers: every pipeline stage / EP rank that exports weights broadcasts its own buckets into the engines
+    # over its own group (rank 0 announces each one); rank0: they all go through trainer rank 0 first
+    senders: Literal["writers", "rank0"] = "writers"
 
 
 @dataclass

@@ -33,7 +33,7 @@ from rlsys.controller.stream import StreamRollout
 from rlsys.controller.weights import EngineSync, NoSync
 from rlsys.data.prompts import PromptSource
 from rlsys.envs.registry import env_tools
-from rlsys.plan import enabled_roles, sync_load_format, sync_pause_mode, sync_transports
+from rlsys.plan import build_plan, enabled_roles, model_arch, sync_load_format, sync_pause_mode, sync_transports
 from rlsys.rollout.agent import AgentDriver, agent_function
 from rlsys.rollout.batch import EngineRollout
 from rlsys.rollout.launch import start_engines
@@ -105,6 +105,7 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
     from rlsys.telemetry.metrics import MetricsLogger
     from rlsys.telemetry.progress import ProgressReporter
 
+    build_plan(cfg, model_arch(cfg.model))  # every check rlsys plan makes, memory fit included, before any start
     out_dir = cfg.trainer.output_dir
     replay = Replay(replay_dir or rollout_dir(out_dir)) if mode == "train" else None
     env = cfg.rollout.multi_turn

@@ -290,18 +290,18 @@ def cpu_engine_command(
 
 
 def weight_peers(master_address: str | None) -> list[str]:
-    """Where trainer rank 0 can be: ``rollout.sync.master_address`` if set, else any node of the Ray cluster
-    (rank 0's node is not known where the engine's command is built), else this node."""
-    if master_address:
-        return [master_address]
+    """Where the trainer's sending ranks can be: rank 0 at ``rollout.sync.master_address`` if set, and every node of
+    the Ray cluster (each pipeline stage's writer broadcasts from its own node; which nodes hold them is not known
+    where the engine's command is built), else this node."""
+    peers = {master_address} if master_address else set()
     try:
         import ray
 
         if ray.is_initialized():
-            return sorted({n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")})
+            return sorted(peers | {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")})
     except ImportError:
         pass
-    return [node_address()]
+    return sorted(peers | {node_address()})
 
 
 def router_command(

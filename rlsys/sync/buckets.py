@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from rlsys.sync.wire import dtype_name
+from rlsys.sync.wire import dtype_from_str, dtype_name
 
 
 @dataclass
@@ -119,8 +119,9 @@ class WriterFailed(RuntimeError):
     """The sending rank ended its stream of buckets early (``send_end(failed=True)``)."""
 
 
-def send_bucket(bucket: Bucket, dst: int, group, buffer: torch.Tensor | None = None) -> None:
-    """Send a bucket, aligned, to ``dst`` over a gloo group.
+def send_bucket(bucket: Bucket, dst: int, group, buffer: torch.Tensor | None = None, header_only=False) -> None:
+    """Send a bucket, aligned, to ``dst`` over a gloo group; ``header_only``: its names, dtypes and shapes
+    (the bytes go elsewhere).
 
     The bytes are flattened into ``buffer`` (host memory: gloo sends from there), reusable at once because
     ``dist.send`` returns only when the bytes have left.
@@ -129,7 +130,8 @@ def send_bucket(bucket: Bucket, dst: int, group, buffer: torch.Tensor | None = N
     header = json.dumps([bucket.names, bucket.dtypes, bucket.shapes]).encode()
     dist.send(torch.tensor([len(header), bucket.nbytes], dtype=torch.int64), dst=dst, group=group)
     dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst=dst, group=group)
-    dist.send(bucket.flattened(buffer), dst=dst, group=group)
+    if not header_only:
+        dist.send(bucket.flattened(buffer), dst=dst, group=group)
 
 
 def send_end(dst: int, group, failed: bool = False) -> None:
@@ -140,7 +142,8 @@ def send_end(dst: int, group, failed: bool = False) -> None:
 def recv_bucket(src: int, group, buffer, timeout_s: float) -> Bucket | None:
     """The next bucket ``send_bucket`` sent from ``src``, its bytes received into ``buffer(nbytes)`` (a uint8
     host tensor of that size) and its tensors views into them; ``None`` at the end of the stream
-    (``send_end``), ``WriterFailed`` if the sender failed.
+    (``send_end``), ``WriterFailed`` if the sender failed. ``buffer=None``: a ``header_only`` bucket, its
+    tensors on the meta device (shapes and dtypes, no bytes).
 
     Each receive waits at most ``timeout_s`` and raises ``TimeoutError`` after that (a timed-out gloo
     receive also closes the connection to ``src``: the group is unusable afterwards).
@@ -161,6 +164,9 @@ def recv_bucket(src: int, group, buffer, timeout_s: float) -> Bucket | None:
     if header_bytes == 0:
         return None
     names, dtypes, shapes = json.loads(recv(torch.empty(header_bytes, dtype=torch.uint8)).numpy().tobytes())
+    if buffer is None:
+        tensors = [torch.empty(s, dtype=dtype_from_str(d), device="meta") for d, s in zip(dtypes, shapes)]
+        return Bucket(names, tensors, nbytes)
     return Bucket.from_flat(names, recv(buffer(nbytes)), dtypes, shapes)
 
 

@@ -7,16 +7,22 @@ Per sync, on every trainer rank (a collective over the training world):
    names and layout on the *writer* ranks (one per pipeline stage, one per EP rank; see
    ``rlsys.megatron.export``).
 2. Every writer packs its tensors into buckets of ``sync.bucket_mb`` (``rlsys.sync.buckets``).
-3. Writers other than global rank 0 send each bucket to rank 0 over a gloo "funnel" group, as one
-   JSON header and one flat uint8 tensor (from a reused host buffer), so there is exactly one
-   sender: SGLang receives from group rank 0 only, and two senders broadcasting into the same
-   engines in different orders would deadlock them. Rank 0 takes its own buckets first, then each
-   writer's in writer order; a received bucket is broadcast as it arrived (its tensors are views
-   into the received bytes), nothing is re-bucketed or copied again.
+3. Each writer broadcasts its own buckets into its own group with the engines (``sync.senders: writers``,
+   the default; ``rlsys.sync.groups``), so that no byte crosses the trainer twice and rank 0 is not the
+   funnel of every stage's weights. Rank 0 still orders them: a writer sends each bucket's header (names,
+   dtypes, shapes) to rank 0 over a gloo "funnel" group and starts its broadcast; rank 0 announces the
+   bucket to the engines (``update_weights_from_distributed`` with that writer's group) and, once they
+   answered, tells the writer over a second gloo group whether the bucket landed. Rank 0 takes its own
+   buckets first, then each writer's in writer order, one bucket at a time: engines that received two
+   groups' buckets in different orders would deadlock. With ``senders: rank0`` (and whenever an engine is
+   colocated) writers send the bytes to rank 0 instead, as a header and one flat uint8 tensor from a reused
+   host buffer, and rank 0 broadcasts each received bucket as it arrived (its tensors are views into the
+   received bytes); SGLang then receives from one group, rank 0's.
 4. A background thread on rank 0 broadcasts each bucket while the next one is filled or received:
    for each engine it fires ``update_weights_from_distributed(names, dtypes, shapes,
    flush_cache=False, weight_version)`` (the engine blocks until it has received the bucket), then
-   broadcasts, then waits.
+   broadcasts, then waits. Each writer's background thread does the same for its own buckets, rank 0
+   making the engine calls.
 
 Memory on rank 0: at most two buckets are alive, one being filled or received and one being broadcast
 (``buckets.Handoff`` bounds and counts them; ``SyncStats.peak_buckets`` is the peak). Rank 0 flattens
@@ -26,7 +32,8 @@ bucket-sized buffers, one per alive bucket (a buffer is never written while its 
 kept between syncs (on GPU, received buckets also pass through two host buffers). On top: the
 exported tensors of the bucket being filled, and, while the main thread waits for a broadcast to
 finish, the one tensor that did not fit into the bucket before. A writer holds at most two buckets
-(one being filled, one being sent) and one host send buffer.
+(one being filled, one being sent) and two bucket buffers on its device (``senders: rank0``: one host
+send buffer).
 
 Around the buckets rank 0 pauses generation (``pause_mode``: abort, or in_place/retract for partial rollouts),
 flushes the engines' caches once (not under in_place: parked requests keep theirs) and opens each engine's
@@ -40,7 +47,9 @@ gathers and funnel receives its peers are blocked in) so that every rank reaches
 ``all_gather_object`` of each rank's error over a gloo group; every rank raises ``WeightSyncError`` (rank 0
 its original exception). An engine error before the first bucket (pause, flush, the session, an unknown
 SGLang release) is agreed on before any gather starts. After a failure mid-sync the engines are left paused
-(their weights are partly new) and the broadcast group is rebuilt under a new name on the next sync.
+(their weights are partly new) and the broadcast group is rebuilt under a new name on the next sync. A
+writer whose bucket an engine refused hears it from rank 0 at once (its broadcast has no receiver) and
+abandons its group, which the next sync rebuilds too.
 
 With ``delta`` (``rollout.sync.delta``) each writer sends, after a full sync, only what changed since its
 last send (``rlsys.sync.delta``: indices or a bitmap plus values per tensor, or the whole tensor, whichever
@@ -48,16 +57,17 @@ is smallest; nothing for an unchanged one), and the engines apply it in place (S
 its process, ``rlsys.rollout.in_sglang.delta_loader``, armed on every full sync). Rank 0 decides per sync and
 tells every rank: a sync is whole after a (re)connect (a restarted engine holds its checkpoint's weights)
 and after any failure (the engines' copies are partly new). Each writer keeps its last sent tensors (one
-copy of its share, on its device); with ``verify`` rank 0 also mirrors what the other writers sent, so that
-it can hash every tensor as the engines now hold it.
+copy of its share, on its device); with ``verify`` and ``senders: rank0`` rank 0 also mirrors what the other
+writers sent, so that it can hash every tensor as the engines now hold it.
 
-With ``verify`` rank 0 also hashes every tensor it buckets or receives and, after the sessions closed
+With ``verify`` rank 0 also hashes every tensor it buckets or receives (``senders: writers``: each writer
+hashes its own and sends rank 0 the checksums at the end) and, after the sessions closed
 and before continuing generation, compares every engine with those hashes (``rlsys.sync.verify``);
 a mismatch raises ``WeightSyncMismatch`` and leaves the engines paused. With ``weight_dtype="fp8"`` linear
 weights are block-quantized to FP8 by their writer before bucketing (``rlsys.architectures.fp8``; the engines must run
 an FP8 checkpoint). Rank 0 waits at most ``timeout_s`` for each engine call, broadcast and funnel receive
 (a writer's failure reaches it at once); writers wait for rank 0 as long as the funnel group's timeout.
-The group: the trainer is rank 0, engine ``i``'s TP rank ``t`` is ``1 + sum(tp of broadcast engines before i) + t``.
+A group: its sending rank is rank 0, engine ``i``'s TP rank ``t`` is ``1 + sum(tp of broadcast engines before i) + t``.
 
 Transports, one per engine (``transports``; ``rlsys.plan.sync_transports`` picks them): ``broadcast`` joins the
 group above; ``tensor`` (colocated: the engine shares rank 0's node) receives each bucket as SGLang's
@@ -73,8 +83,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -82,15 +91,16 @@ import torch
 import torch.distributed as dist
 
 from rlsys.architectures.fp8 import quantize_named_tensors
-from rlsys.local_ranks import listening_store, node_address
+from rlsys.local_ranks import node_address
 from rlsys.megatron.export import is_dense_writer, is_expert_writer, iter_hf_tensors
 from rlsys.rollout import protocol
-from rlsys.rollout.protocol import PAUSE_MODES, needs_weight_update_session
+from rlsys.rollout.protocol import PAUSE_MODES
 from rlsys.sync.buckets import Bucket, Bucketer, Handoff, WriterFailed, recv_bucket, send_bucket, send_end
 from rlsys.sync.colocated import serialize_flattened_bucket
 from rlsys.sync.delta import DeltaEncoder, apply_delta
 from rlsys.sync.delta import split as split_delta
-from rlsys.sync.process_group import destroy_custom_process_group, init_custom_process_group
+from rlsys.sync.engine_calls import announce_bucket, begin_session, first_error
+from rlsys.sync.groups import BroadcastGroups
 from rlsys.sync.verify import TrainerChecksums, probe_engines, verify_engines
 from rlsys.sync.wire import dtype_name
 
@@ -104,6 +114,18 @@ class _WriterFailed(RuntimeError):
     """Rank 0's note that a writer gave up; the writer's own error is the one every rank raises."""
 
 
+class _BucketRefused(RuntimeError):
+    """A writer's note that rank 0 reported its bucket failed in some engine; rank 0's error says why."""
+
+
+@dataclass
+class _Remote:
+    """A bucket another writer broadcasts into its own group: rank 0 announces it to the engines."""
+
+    src: int
+    bucket: Bucket
+
+
 logger = logging.getLogger(__name__)
 
 
@@ -114,6 +136,7 @@ class SyncStats:
     tensors: int = 0
     buckets: int = 0
     peak_buckets: int = 0  # the most buckets alive at once on this rank (see the module docstring)
+    relayed_bytes: int = 0  # rank 0: bytes other writers sent through it (sync.senders: rank0)
     full: bool = True  # every tensor sent whole (always, without delta sync)
 
     @property
@@ -121,7 +144,7 @@ class SyncStats:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
-class DistributedWeightSync:
+class DistributedWeightSync(BroadcastGroups):
     """Owns the engine group and the funnel group; ``sync`` is called on every trainer rank.
 
     ``engines`` (clients with SGLang's weight-update API) and ``engine_tp`` are only used on
@@ -145,11 +168,14 @@ class DistributedWeightSync:
         transports: list[str] | None = None,
         delta: bool = False,
         pause_mode: str = "abort",
+        senders: str = "writers",
     ):
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"sync.pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         if weight_dtype not in ("auto", "fp8"):
             raise ValueError(f"rollout.weight_dtype must be 'auto' or 'fp8', got {weight_dtype!r}")
+        if senders not in ("writers", "rank0"):
+            raise ValueError(f"sync.senders must be 'writers' or 'rank0', got {senders!r}")
         if load_format not in ("flattened_bucket", "per_tensor"):
             raise ValueError(f"sync.load_format must be 'flattened_bucket' or 'per_tensor', got {load_format!r}")
         self.topo, self.arch = topo, arch
@@ -182,11 +208,19 @@ class DistributedWeightSync:
         if 0 not in self.writers:
             raise RuntimeError("global rank 0 must export weights (TP, PP, DP, EP rank 0); check the topology")
         self.funnel = dist.new_group(self.writers, backend="gloo") if len(self.writers) > 1 else None
+        self.acks = dist.new_group(self.writers, backend="gloo") if len(self.writers) > 1 else None
         # every rank's verdict on a sync, on a host-side group whatever the training backend
         self.control = dist.new_group(backend="gloo")
+        # Writers broadcast their own buckets (rank 0 announces them); not into colocated engines, which take
+        # rank 0's tensors, nor with one writer. Rank 0 knows the transports and decides for everyone.
+        direct = [senders == "writers" and len(self.writers) > 1 and bool(self.broadcast_engines)]
+        direct[0] = direct[0] and not self.tensor_engines
+        dist.broadcast_object_list(direct, src=0, group=self.control)
+        self.direct = bool(direct[0])
+        self.group_names: list[str] = []  # rank 0: the broadcast groups the engines hold, one per sending writer
         self.version = 0
         self._calls = ThreadPoolExecutor(max(4, 2 * len(engines)), thread_name_prefix="weight-sync")
-        self._failure: BaseException | None = None  # rank 0: the first engine-side error of this sync
+        self._failure: BaseException | None = None  # this sync's first send error (rank 0: an engine's)
         self._groups_made = 0  # a rebuilt broadcast group gets a fresh name (the old one may hold a stale send)
         self._sessions: list = []  # engines whose weight-update session is open
         # delta sync: each writer's last sent values; rank 0 also mirrors what the other writers sent, for
@@ -197,68 +231,6 @@ class DistributedWeightSync:
         self._need_full = True  # rank 0: the engines' copies are unknown (first sync, reconnect, failure)
         self._shadowed: list = []  # (SGLang engine, tp) whose deltas rlsys's loader there applies
         self.last_full = True
-
-    # -- group lifecycle (rank 0 talks to the engines) ----------------------------------------------
-
-    def connect(self) -> None:
-        """Create the broadcast group with every engine (again after an engine restart). Checks each engine's
-        SGLang release first (refused if unknown, and it decides the session protocol); an engine that
-        refuses to join fails the call at once, not after the rendezvous timeout."""
-        if not self.is_sender:
-            return
-        self._views = None  # a restarted engine may store other dtypes
-        _first_error(
-            [self._calls.submit(e.check_version, timeout_s=self.timeout_s) for e in self.engines], self.timeout_s
-        )
-        if self.delta is not None:  # SGLang applies deltas through rlsys's loader in its process, armed per full sync
-            infos = [e.server_info(timeout_s=self.timeout_s) for e in self.engines]
-            self._shadowed = [
-                (e, tp) for e, tp, i in zip(self.engines, self.engine_tp, infos) if protocol.runs_delta_loader(e.url, i)
-            ]
-        casts = [(e, tp) for e, tp, t in zip(self.engines, self.engine_tp, self.transports) if t == "broadcast"]
-        if not casts:
-            self.connected = True
-            return
-        store = listening_store(self.master_address, self.timeout_s)  # holds its port until the engines join
-        port = store.port
-        world = 1 + sum(tp for _, tp in casts)
-        offsets = [1 + sum(tp for _, tp in casts[:i]) for i in range(len(casts))]
-        self._groups_made += 1
-        name = self.group_name if self._groups_made == 1 else f"{self.group_name}_{self._groups_made}"
-        # engines block in this call until every member has joined, so join concurrently
-        futures = [
-            self._calls.submit(
-                e.init_weights_update_group,
-                self.master_address,
-                port,
-                off,
-                world,
-                group_name=name,
-                backend=self.backend,
-                timeout_s=self.timeout_s,
-            )
-            for (e, _), off in zip(casts, offsets)
-        ]
-        init = f"tcp://{self.master_address}:{port}"
-        joined = self._calls.submit(
-            init_custom_process_group, self.backend, init, world, 0, name, self.timeout_s, store=store
-        )
-        _first_error([*futures, joined], self.timeout_s)
-        self.group, self.active_group_name = joined.result(), name
-        self.connected = True  # only now: a failed connect is tried again by the next sync
-        self._need_full = True  # a (re)started engine holds its checkpoint's weights, not the last sync's
-
-    def disconnect(self, broken: bool = False) -> None:
-        """Leave the broadcast group. ``broken``: a send into it may still be pending (a failed bucket), so it
-        is abandoned rather than destroyed locally (that would wait for the send)."""
-        self.connected = False
-        if self.is_sender and self.group is not None:
-            for e in self.broadcast_engines:
-                with contextlib.suppress(Exception):  # a dead engine has nothing left to destroy
-                    e.destroy_weights_update_group(self.active_group_name, timeout_s=min(self.timeout_s, 30))
-            if not broken:
-                destroy_custom_process_group(self.group)
-            self.group = None
 
     # -- one sync -----------------------------------------------------------------------------------
 
@@ -272,15 +244,25 @@ class DistributedWeightSync:
         stats = SyncStats()
         rank = dist.get_rank()
         error = None
+        if self.direct:  # every writer joins the engines when rank 0 (re)connects
+            connect = [not self.connected]
+            dist.broadcast_object_list(connect, src=0, group=self.control)
+            if connect[0]:
+                self.connect()
         self._start_delta()
+        self._failure = None
         if self.is_sender:
-            self._failure = None
             try:
                 self._prepare_engines()
             except Exception as e:
                 error = e
                 self._close_sessions(resume=True)  # nothing was sent: the engines still serve whole weights
         self._agree(error)
+        if self.direct and self.verify:  # each writer hashes what it sends, for the engines' dtypes
+            views = [self._views]
+            dist.broadcast_object_list(views, src=0, group=self.control)
+            if not self.is_sender:
+                self._checks = TrainerChecksums.for_engines(views[0]) if rank in self.writers else None
         try:
             if self.is_sender:
                 self._send_all(chunks, stats)
@@ -303,7 +285,12 @@ class DistributedWeightSync:
                 except Exception as e:
                     error = e
         self._need_full = True  # until every rank agrees that this sync landed whole
-        self._agree(error)
+        try:
+            self._agree(error)
+        except WeightSyncError:
+            if self.direct and not self.is_sender:
+                self.group = None  # may hold a pending send: abandoned, the next sync rebuilds it (see connect)
+            raise
         self._need_full = False
         stats.seconds = time.perf_counter() - start
         stats.full = self.last_full
@@ -323,11 +310,17 @@ class DistributedWeightSync:
 
     def _send_all(self, chunks, stats: SyncStats) -> None:
         outbox = Handoff(lambda bucket, slot: self._broadcast(bucket, slot, stats), timeout_s=self.timeout_s)
+        self._gave_up: set[int] = set()  # the writers that sent their end as failed
         with _closing(outbox):
             self._export(chunks, outbox)
             for src in self.writers[1:]:
                 while (bucket := self._receive(src, outbox)) is not None:
-                    outbox.put(bucket)  # after a failure _broadcast skips it: the writer must still finish
+                    outbox.put(_Remote(src, bucket) if self.direct else bucket)  # after a failure: skipped
+                    stats.relayed_bytes += 0 if self.direct else bucket.nbytes
+                if self.direct and self._checks is not None and src not in self._gave_up:
+                    theirs = [None]
+                    dist.recv_object_list(theirs, src=src, group=self.funnel)
+                    self._checks.merge(theirs[0])
         if self._checks is not None:  # delta sync: what the other writers left unsent is verified too
             for name in self._mirror.keys() - self._seen:
                 self._checks.add(name, self._mirror[name])
@@ -335,15 +328,19 @@ class DistributedWeightSync:
 
     def _write(self, chunks, stats: SyncStats) -> None:
         # no timeout: the first bucket waits until rank 0 has sent its own, however long that takes
-        outbox = Handoff(self._send)
+        outbox = Handoff(self._cast_own if self.direct else self._send)
         try:
             with _closing(outbox):
                 self._export(chunks, outbox)
+            if self._failure is not None:  # direct: a bucket that did not land
+                raise self._failure
         except BaseException:
             with contextlib.suppress(Exception):  # rank 0 stops receiving from this writer at once
                 send_end(0, self.funnel, failed=True)
             raise
         send_end(0, self.funnel)
+        if self.direct and self._checks is not None:
+            dist.send_object_list([self._checks], dst=0, group=self.funnel)
         stats.peak_buckets = outbox.peak
 
     def _agree(self, error: BaseException | None) -> None:
@@ -370,7 +367,7 @@ class DistributedWeightSync:
                 e.flush_cache(wait_s=wait, timeout_s=self.timeout_s)
         self._sessions = []  # filled as they open, so that a failure closes exactly those
         for e in self.engines:
-            if _begin(e, self.timeout_s):
+            if begin_session(e, self.timeout_s):
                 self._sessions.append(e)
         if self.delta is not None and self.last_full:  # SGLang's delta loader: a fresh shadow, which this sync fills
             for e, tp in self._shadowed:
@@ -399,7 +396,7 @@ class DistributedWeightSync:
     def _finish_engines(self) -> None:
         """After every bucket landed: close the sessions (the engines finalize the weights), verify, continue."""
         sessions, self._sessions = self._sessions, []
-        _first_error(
+        first_error(
             [self._calls.submit(e.end_weight_update, timeout_s=self.timeout_s) for e in sessions], self.timeout_s
         )
         if self._checks is not None:  # before continuing: no rollout may sample from wrong weights
@@ -438,7 +435,7 @@ class DistributedWeightSync:
         outbox.begin()
 
     def _hand_over(self, bucket: Bucket, outbox: Handoff) -> None:
-        if self.is_sender and self.load_format == "flattened_bucket" and self.broadcast_engines:
+        if (self.direct or self.is_sender and self.broadcast_engines) and self.load_format == "flattened_bucket":
             # Flattened here, into the buffer of the bucket's slot, rather than on the broadcast thread: that
             # thread is the busier one, and the exported tensors are freed as soon as they are copied.
             bucket = bucket.aligned()
@@ -452,14 +449,15 @@ class DistributedWeightSync:
             return self._buffer(outbox.slot, nbytes, "cpu")
 
         try:
-            bucket = recv_bucket(src, self.funnel, into, self.timeout_s)
+            bucket = recv_bucket(src, self.funnel, None if self.direct else into, self.timeout_s)
         except TimeoutError as e:
             raise TimeoutError(f"weight sync: writer rank {src} sent nothing for {self.timeout_s:g}s") from e
         except WriterFailed:
+            self._gave_up.add(src)
             self._failure = self._failure or _WriterFailed(src)  # nothing more goes to the engines
             return None
-        if bucket is None:
-            return None
+        if bucket is None or self.direct:
+            return bucket  # direct: its names, dtypes and shapes, which rank 0 announces
         if self.topo.device.type != "cpu":  # gloo delivers to host memory; broadcast from the device like rank 0's own
             flat = self._buffer(outbox.slot, bucket.nbytes, self.topo.device).copy_(bucket.flat)
             bucket = Bucket.from_flat(bucket.names, flat, bucket.dtypes, bucket.shapes)
@@ -494,19 +492,52 @@ class DistributedWeightSync:
         # one buffer: the send is synchronous and this thread sends one bucket at a time
         send_bucket(bucket, 0, self.funnel, self._buffer("send", bucket.nbytes, "cpu"))
 
-    def _broadcast(self, bucket: Bucket, slot: int, stats: SyncStats) -> None:
-        """One bucket into every engine (on the Handoff's thread). An error is kept in ``_failure``, not
-        raised: the main thread drains the sync, and the bucket's and later buckets' sends are skipped."""
-        if self._failure is not None or not bucket.names:
+    def _cast_own(self, bucket: Bucket, slot: int) -> None:
+        """A writer's bucket into its own group: the header to rank 0, which announces it to the engines (one
+        bucket at a time over all writers, so every engine receives them in one order), the bytes straight to
+        the engines; then rank 0's verdict, which comes once the engines answered."""
+        if self._failure is not None:  # kept, not raised: the export goes on for the TP peers' gathers (see sync)
             return
         try:
-            self._broadcast_bucket(bucket.aligned())
+            bucket = bucket.aligned()
+            send_bucket(bucket, 0, self.funnel, header_only=True)
+            sends = self._cast(bucket)
+            verdict = torch.zeros(1, dtype=torch.int64)
+            dist.recv(verdict, src=0, group=self.acks)
+            if verdict.item():
+                raise _BucketRefused("rank 0 reported that an engine failed this writer's bucket")
+            for send in sends:
+                send.wait(timeout=timedelta(seconds=self.timeout_s))
         except Exception as e:
             self._failure = e
-            return
-        stats.bytes += bucket.nbytes
-        stats.tensors += len(bucket.names)
-        stats.buckets += 1
+
+    def _cast(self, bucket: Bucket) -> list:
+        tensors = [bucket.flat] if self.load_format == "flattened_bucket" else bucket.tensors  # flat: see _hand_over
+        return [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
+
+    def _broadcast(self, item: Bucket | _Remote, slot: int, stats: SyncStats) -> None:
+        """One bucket into every engine (on the Handoff's thread), or, for another writer's, its announcement
+        and then the verdict to that writer. An error is kept in ``_failure``, not raised: the main thread
+        drains the sync, and the bucket's and later buckets' sends are skipped."""
+        remote = item if isinstance(item, _Remote) else None
+        bucket = item.bucket if remote else item
+        if self._failure is None and bucket.names:
+            try:
+                if remote is None:
+                    self._broadcast_bucket(bucket.aligned())
+                else:
+                    index = self.writers.index(remote.src)
+                    fmt = "flattened_bucket" if self.load_format == "flattened_bucket" else None
+                    args = (bucket, self.group_names[index], self.version, fmt, self.timeout_s)
+                    first_error(announce_bucket(self._calls, self.broadcast_engines, *args), self.timeout_s)
+                stats.bytes += bucket.nbytes
+                stats.tensors += len(bucket.names)
+                stats.buckets += 1
+            except Exception as e:
+                self._failure = e
+        if remote is not None:  # the writer waits for it whatever happened
+            failed = torch.tensor([int(self._failure is not None)], dtype=torch.int64)
+            dist.send(failed, dst=remote.src, group=self.acks)
 
     def _broadcast_bucket(self, bucket: Bucket) -> None:
         fmt = "flattened_bucket" if self.load_format == "flattened_bucket" else None
@@ -515,27 +546,14 @@ class DistributedWeightSync:
             payload = serialize_flattened_bucket(Bucket(bucket.names, bucket.tensors, bucket.nbytes))
             replies = [self._calls.submit(self._send_tensors, e, tp, payload) for e, tp in self.tensor_engines]
         if not self.broadcast_engines:
-            _first_error(replies, self.timeout_s)
+            first_error(replies, self.timeout_s)
             return
-        replies += [
-            self._calls.submit(
-                e.update_weights_from_distributed,
-                bucket.names,
-                bucket.dtypes,
-                bucket.shapes,
-                group_name=self.active_group_name,
-                flush_cache=False,  # flushed once per sync, before the first bucket
-                weight_version=str(self.version),
-                load_format=fmt,
-                timeout_s=self.timeout_s,
-            )
-            for e in self.broadcast_engines
-        ]
-        tensors = [bucket.flat] if fmt == "flattened_bucket" else bucket.tensors  # flat: see _hand_over
-        sends = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
+        args = (bucket, self.active_group_name, self.version, fmt, self.timeout_s)
+        replies += announce_bucket(self._calls, self.broadcast_engines, *args)
+        sends = self._cast(bucket)
         # An engine answers once it has received the bucket, or at once with its error: waiting on the
         # replies first turns an error answer into an error now, not a broadcast that waits out its timeout.
-        _first_error(replies, self.timeout_s)
+        first_error(replies, self.timeout_s)
         for send in sends:
             send.wait(timeout=timedelta(seconds=self.timeout_s))
 
@@ -549,26 +567,6 @@ class DistributedWeightSync:
             weight_version=str(self.version),
             timeout_s=self.timeout_s,
         )
-
-
-def _begin(engine, timeout_s: float) -> bool:
-    """Open the engine's weight-update session where its release has one; whether it did."""
-    if engine.server_version is None:
-        engine.check_version(timeout_s=timeout_s)
-    if not needs_weight_update_session(engine.server_version):
-        return False
-    engine.begin_weight_update(timeout_s=timeout_s)
-    return True
-
-
-def _first_error(futures: list[Future], timeout_s: float) -> None:
-    """Wait for every future; raise the first error as soon as it happens, ``TimeoutError`` after ``timeout_s``."""
-    done, pending = wait_futures(futures, timeout=timeout_s, return_when=FIRST_EXCEPTION)
-    for f in done:
-        if f.exception() is not None:
-            raise f.exception()
-    if pending:
-        raise TimeoutError(f"weight sync: {len(pending)} engine call(s) unanswered after {timeout_s:g}s")
 
 
 @contextlib.contextmanager

@@ -167,6 +167,19 @@ class TrainerChecksums:
             else:
                 self._offer(name, tensor)
 
+    def merge(self, other: TrainerChecksums) -> None:
+        """Take in what another writer sent in the same sync (it hashed for the same engines)."""
+        self.sent.update(other.sent)
+        self.checksums.update(other.checksums)
+        self.skipped += other.skipped
+        for name, rows in other.samples.items():  # each writer's reservoir, thinned to one of ``sample_size``
+            self._offered += 1
+            if len(self.samples) < self.sample_size:
+                self.samples[name] = rows
+            elif (slot := self._rng.randrange(self._offered)) < self.sample_size:
+                del self.samples[list(self.samples)[slot]]
+                self.samples[name] = rows
+
     def _offer(self, name: str, tensor: torch.Tensor) -> None:
         if name not in self.samples:
             self._offered += 1

@@ -126,6 +126,7 @@ class RankWorker:
             transports=transports if rank0 else [],
             delta=sync_cfg.delta,
             pause_mode=sync_cfg.pause_mode,
+            senders=sync_cfg.senders,
         )
 
     def sync_weights(self, version: int | None = None) -> dict:

@@ -45,6 +45,8 @@ def _trainer(hf_dir, layout, urls, engine_tp, opts, out_dir):
         clients[0] = _KillOnBucket(clients[0], opts["engine_pid"], opts["kill_on_bucket"])
     if rank0 and opts.get("slow_engine_s"):
         clients = [_SlowEngine(c, opts["slow_engine_s"]) for c in clients]
+    if rank0 and opts.get("refuse_group"):
+        clients = [_RefusesOnce(c, opts["refuse_group"]) for c in clients]
     sync = DistributedWeightSync(
         topo,
         worker.engine.arch,
@@ -57,9 +59,17 @@ def _trainer(hf_dir, layout, urls, engine_tp, opts, out_dir):
         timeout_s=opts.get("timeout_s", 60),
         verify=opts.get("verify", False),
         delta=opts.get("delta", False),
+        senders=opts.get("senders", "writers"),
     )
     result = {}
     try:
+        if opts.get("refuse_group"):  # every rank raises, at once; the next sync rebuilds the groups
+            start = time.perf_counter()
+            with pytest.raises(Exception) as failed:
+                sync.sync(worker.engine.chunks)
+            result.update(
+                first_error=f"{failed.type.__name__}: {failed.value}", failed_after=time.perf_counter() - start
+            )
         stats = sync.sync(worker.engine.chunks)
         result.update(
             bytes=stats.bytes,
@@ -67,6 +77,7 @@ def _trainer(hf_dir, layout, urls, engine_tp, opts, out_dir):
             tensors=stats.tensors,
             seconds=stats.seconds,
             peak_buckets=stats.peak_buckets,
+            relayed=stats.relayed_bytes,
         )
         result["rounds"] = [_perturbed_sync(worker, sync, r) for r in range(opts.get("rounds", 0))]
     except Exception as e:  # the test inspects how a failed sync reports
@@ -127,6 +138,23 @@ class _KillOnBucket:
         return self.client.update_weights_from_distributed(*args, **kwargs)
 
 
+class _RefusesOnce:
+    """A real client whose first announcement of a bucket in a group named ``*{suffix}`` is answered with an
+    error, before the engine joins that bucket's broadcast: the writer sending into it must not wait it out."""
+
+    def __init__(self, client, suffix):
+        self.client, self.suffix, self.refused = client, suffix, False
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def update_weights_from_distributed(self, *args, group_name, **kwargs):
+        if group_name.endswith(self.suffix) and not self.refused:
+            self.refused = True
+            raise RuntimeError(f"HTTP 400 from {self.client.url}: refused a bucket in {group_name}")
+        return self.client.update_weights_from_distributed(*args, group_name=group_name, **kwargs)
+
+
 class _SlowEngine:
     """A real client whose engine takes ``delay_s`` longer per bucket: a sender that ignored the bound on
     alive buckets would run ahead of it."""
@@ -179,12 +207,14 @@ def engine_checksums(url):
     "model_type,layout,opts",
     [
         ("qwen2", {"tp": 2}, {}),  # tied embeddings, vocab padded for TP then trimmed
-        # two writers funnel buckets into one sender, which verifies what it received too
+        # each stage broadcasts its own buckets; rank 0 verifies with the other writer's checksums
         ("qwen3", {"pp": 2}, {"load_format": "per_tensor", "verify": True}),
+        # two writers funnel buckets into one sender, which verifies what it received too
+        ("qwen3", {"pp": 2}, {"senders": "rank0", "verify": True}),
         # experts from both EP ranks, buckets < largest tensor, an engine slower than the export
         ("qwen3_moe", {"ep": 2}, {"bucket_mb": 0.005, "verify": True, "slow_engine_s": 0.02}),
     ],
-    ids=["qwen2-tp2", "qwen3-pp2-per-tensor", "qwen3_moe-ep2"],
+    ids=["qwen2-tp2", "qwen3-pp2-per-tensor", "qwen3-pp2-through-rank0", "qwen3_moe-ep2"],
 )
 def test_sync_makes_every_engine_tensor_equal_the_trainers(
     engines, tiny_checkpoints, tmp_path, model_type, layout, opts
@@ -197,6 +227,8 @@ def test_sync_makes_every_engine_tensor_equal_the_trainers(
     assert sender["buckets"] > 1 and sender["tensors"] > 0
     writers = [r for r in reports if "peak_buckets" in r]
     assert len(writers) == (1 if layout.get("tp") else 2)
+    # no byte of the second writer's crosses rank 0 unless sync.senders says so
+    assert (sender["relayed"] > 0) == (opts.get("senders") == "rank0" and not layout.get("tp")), sender
     assert all(1 <= r["peak_buckets"] <= 2 for r in writers), writers  # one filled or received, one sent
     if opts.get("slow_engine_s"):
         assert sender["peak_buckets"] == 2  # and it did fill the next bucket during a broadcast
@@ -209,6 +241,24 @@ def test_sync_makes_every_engine_tensor_equal_the_trainers(
         assert EngineClient(url).weight_version() == "1"
     diffs = [r["logprob_diff_max"] for r in reports if "logprob_diff_max" in r]
     assert diffs and max(diffs) < 1e-4
+
+
+@pytest.mark.parametrize("layout", [{"pp": 2}, {"tp": 2, "pp": 2}], ids=["pp2", "tp2-pp2"])
+def test_an_engine_refusing_a_second_stage_bucket_fails_every_rank_at_once_and_the_next_sync_lands(
+    engines, tiny_checkpoints, tmp_path, layout
+):
+    """tp2-pp2: the refused writer's TP peer is in the export's gathers; the writer goes on gathering with it."""
+    hf = tiny_checkpoints["qwen3"]
+    urls = [url for _, url in engines("qwen3")]
+    world = layout.get("tp", 1) * 2
+    reports = run_sync(hf, layout, world, urls, tmp_path, refuse_group="_w1", timeout_s=120, verify=True)
+    assert len(reports) == 2  # the writers: one per stage
+    for r in reports:  # the stage-1 writer's broadcast had no receiver: it heard of the refusal from rank 0
+        assert "refused a bucket in" in r["first_error"] and r["failed_after"] < 30, r
+        assert "error" not in r, r  # the second sync, over rebuilt groups, landed and verified
+    want = checkpoint_checksums(hf, False)
+    for url in urls:
+        assert engine_checksums(url) == want
 
 
 def test_engine_killed_mid_sync_is_reported_and_a_restarted_engine_resyncs(tiny_checkpoints, make_checkpoint, tmp_path):
@@ -290,17 +340,21 @@ def test_funnel_moves_whole_buckets_reports_a_failed_writer_and_times_out(tmp_pa
     assert "rank 1 sent no weights for 0.5s" in message and waited < 10
 
 
-@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+@pytest.mark.parametrize(
+    "layout,senders",
+    [({"tp": 2}, "writers"), ({"pp": 2}, "writers"), ({"pp": 2}, "rank0")],
+    ids=["tp2", "pp2", "pp2-rank0"],
+)
 @pytest.mark.parametrize("load_format", ["flattened_bucket", "per_tensor"])
 def test_delta_syncs_keep_every_engine_tensor_bit_equal_to_the_trainers(
-    engines, tiny_checkpoints, tmp_path, layout, load_format
+    engines, tiny_checkpoints, tmp_path, layout, senders, load_format
 ):
-    """One full sync, then three rounds of sparse changes sent as deltas (PP: the second writer's deltas
-    pass through rank 0, which mirrors them for sync.verify): afterwards every engine tensor equals the
-    trainer's bit for bit, and each delta sync sent a small fraction of the full sync's bytes."""
+    """One full sync, then three rounds of sparse changes sent as deltas (PP: each stage sends its own, or,
+    through rank 0, rank 0 mirrors the second writer's for sync.verify): afterwards every engine tensor
+    equals the trainer's bit for bit, and each delta sync sent a small fraction of the full sync's bytes."""
     hf = tiny_checkpoints["qwen3"]
     urls = [url for _, url in engines("qwen3")]
-    opts = dict(delta=True, rounds=3, verify=True, load_format=load_format, bucket_mb=0.05)
+    opts = dict(delta=True, rounds=3, verify=True, load_format=load_format, bucket_mb=0.05, senders=senders)
     reports = run_sync(hf, layout, 2, urls, tmp_path, **opts)
     sender = reports[0]
     assert "error" not in sender, sender

@@ -220,6 +220,18 @@ def test_sync_from_tp2_delivers_the_weights_verified(sglang_engine, trained, tmp
     assert [r["versions"] for r in reports if "versions" in r] == [["1"]]
 
 
+def test_sync_from_pp2_each_stage_into_its_own_group_delivers_the_weights_verified(sglang_engine, trained, tmp_path):
+    """SGLang holds one weight-update group per pipeline stage; each stage broadcasts its own buckets, rank 0
+    announces them one at a time; what SGLang then holds is checked against both stages' tensors."""
+    _, client = sglang_engine
+    reports = run_sync(trained, client.url, tmp_path, layout={"pp": 2}, logprobs=True)
+    sender = reports[0]
+    assert "error" not in sender, sender
+    assert sender["tensors"] == 21 and sender["verified"] == [["sampled", 21]]
+    diffs = [r["logprob_diff_max"] for r in reports if "logprob_diff_max" in r]
+    assert diffs and max(diffs) < LOGPROB_BOUND["fp32"], diffs
+
+
 def test_an_error_answer_is_raised_at_once_on_every_rank(sglang_engine, trained, tmp_path):
     """SGLang 0.5.23 answers 400 to updates outside a weight-update session: before the fix, rlsys reported
     that only as a bucket timeout minutes later. Now every rank raises SGLang's message within seconds."""

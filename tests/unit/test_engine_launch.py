@@ -1,10 +1,12 @@
 """Engine command lines (``rlsys.rollout.launch``) and the sync transport per engine (``rlsys.plan``)."""
 
+import socket
+
 import pytest
 
 from rlsys.config import load_config, releases_engine_memory
 from rlsys.errors import ConfigError
-from rlsys.local_ranks import cpu_flags
+from rlsys.local_ranks import cpu_flags, node_address
 from rlsys.plan import sync_transports
 from rlsys.rollout.launch import (
     CPU_MAX_TOTAL_TOKENS,
@@ -13,6 +15,7 @@ from rlsys.rollout.launch import (
     engine_dtype,
     sglang_command,
     sglang_cpu_env,
+    weight_peers,
 )
 
 AMX = {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
@@ -30,6 +33,27 @@ def test_cpu_flags_reads_proc_cpuinfo(tmp_path):
     info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f\nbugs\t: x\n")
     assert cpu_flags(str(info)) == {"fpu", "avx2", "avx512f"}
     assert cpu_flags(str(tmp_path / "missing")) == set()
+
+
+def test_node_address_is_the_interface_toward_the_launchers_master(monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert node_address() == "127.0.0.1"
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert node_address() == "127.0.0.1"  # a one-machine launch stays on loopback
+    monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")
+    assert node_address() == "no-such-host.invalid"  # unresolvable: what the launcher said, for its error
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.7")  # a remote node 0 (TEST-NET): this host's address toward it
+    got = node_address()
+    if got == "192.0.2.7":
+        pytest.skip("this machine has no route toward another host")
+    with socket.socket() as s:
+        s.bind((got, 0))  # one of this machine's own addresses, which a listener can take
+
+
+def test_engines_take_weights_from_every_trainer_node_and_the_configured_master(monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert weight_peers("10.0.0.5") == ["10.0.0.5", "127.0.0.1"]  # rank 0 there, other stages' writers here
+    assert weight_peers(None) == ["127.0.0.1"]
 
 
 def test_core_binding_gives_each_rank_its_own_cores():
