@@ -374,8 +374,11 @@ def _engine_command(
     host: str = "127.0.0.1",
     port: int | None = None,
     routed: bool = False,
+    on_node: tuple[int, int] | None = None,
 ) -> list:
-    """Engine ``index``'s command line; evaluated on the engine's node (``EngineHost``) when placed."""
+    """Engine ``index``'s command line; evaluated on the engine's node (``EngineHost``) when placed. ``on_node``:
+    its index among the engines on its node and how many there are (the CPU core binding; default: every
+    engine on this node)."""
     port = free_port(host) if port is None else port
     key = api_key if host not in LOOPBACK else None
     routed_flag = ["--enable-return-routed-experts"] if routed else []
@@ -384,7 +387,8 @@ def _engine_command(
         return cpu_engine_command(model_dir, seed + index, host, port, key, cfg.sync.bucket_mb, peers) + routed_flag
     env, extra = dict(cfg.sglang_env), [*routed_flag, *cfg.sglang_args]
     if device == "cpu":
-        binding = core_binding(index, cfg.num_engines, cfg.tp, sorted(os.sched_getaffinity(0)))
+        local, count = on_node or (index, cfg.num_engines)
+        binding = core_binding(local, count, cfg.tp, sorted(os.sched_getaffinity(0)))
         env = {**sglang_cpu_env(cfg.sglang_python, binding), **env}
     if cfg.sync.delta:  # deltas become whole tensors in SGLang's process, through rlsys's loader there
         extra, env["PYTHONPATH"] = delta_loader_args(extra), delta_loader_path(env.get("PYTHONPATH"))
@@ -445,7 +449,7 @@ def start_engines(
             log, name = os.path.join(log_dir, f"{kind}_{i}.log"), f"{kind}[{i}]"
             if placement is not None:
                 gpu = placement.gpu_id(placement.engine_devices(i)[0]) or 0
-                command = functools.partial(_placed_command, build, i, gpu)
+                command = functools.partial(_placed_command, build, i, gpu, _on_node(placement, i, cfg.num_engines))
                 servers.append(RemoteServer(command, options=placement.engine_options(i), log_file=log, name=name))
             else:
                 port = free_port("127.0.0.1")
@@ -473,8 +477,16 @@ def start_engines(
     return pool
 
 
-def _placed_command(build, index: int, gpu: int, host: str, port: int) -> list:
-    return build(index, base_gpu_id=gpu, host=host, port=port)
+def _placed_command(build, index: int, gpu: int, on_node: tuple[int, int], host: str, port: int) -> list:
+    return build(index, base_gpu_id=gpu, host=host, port=port, on_node=on_node)
+
+
+def _on_node(placement, index: int, num_engines: int) -> tuple[int, int]:
+    """Engine ``index``'s position among the engines placed on its node, and their number: the engines of one
+    node split its cores, not those of the whole cluster."""
+    node = placement.devices[placement.engine_devices(index)[0]].node_id
+    here = [j for j in range(num_engines) if placement.devices[placement.engine_devices(j)[0]].node_id == node]
+    return here.index(index), len(here)
 
 
 def launch_sglang_pool(

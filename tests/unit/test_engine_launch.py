@@ -67,6 +67,19 @@ def test_core_binding_gives_each_rank_its_own_cores():
     assert core_binding(0, 1, 1, [0, 2, 4]) == "0,2,4"
 
 
+def test_engines_split_the_cores_of_their_own_node_only():
+    from types import SimpleNamespace
+
+    from rlsys.rollout.launch import _on_node
+
+    # devices 0-1 on node a, 2-3 on node b; engine 0 on device 1, engines 1 and 2 on devices 2 and 3
+    nodes = ["a", "a", "b", "b"]
+    placement = SimpleNamespace(devices=[SimpleNamespace(node_id=n) for n in nodes], engine_devices=lambda i: [i + 1])
+    slots = [_on_node(placement, i, 3) for i in range(3)]
+    assert slots == [(0, 1), (0, 2), (1, 2)]
+    assert [core_binding(i, n, 1, range(8)) for i, n in slots] == ["0-7", "0-3", "4-7"]  # not thirds of a node
+
+
 def test_cpu_sglang_command_carries_its_environment(tmp_path):
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
