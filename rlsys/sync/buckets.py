@@ -9,6 +9,7 @@ reinterprets slices of the flat buffer, so one broadcast replaces one per tensor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import threading
@@ -188,8 +189,9 @@ class Handoff:
     alive buckets; ``peak`` is the most there were at once.
     """
 
-    def __init__(self, consume, depth: int = 2, timeout_s: float | None = None):
+    def __init__(self, consume, depth: int = 2, timeout_s: float | None = None, skipped=None):
         self._consume, self.depth, self.timeout_s = consume, depth, timeout_s
+        self._skipped = skipped  # called with each bucket not consumed after an error or abort
         self._free: queue.Queue = queue.Queue()
         for s in range(depth):
             self._free.put(s)
@@ -230,6 +232,17 @@ class Handoff:
             self._reserve()
         self._thread.join()
 
+    @contextlib.contextmanager
+    def closing(self):
+        """Wait for every bucket handed over; after an error skip the queued ones and raise that error."""
+        try:
+            yield self
+        except BaseException:
+            with contextlib.suppress(Exception):  # the consumer's error, if any, is the one being raised
+                self.close(abort=True)
+            raise
+        self.close()
+
     def _reserve(self) -> int:
         self._raise()
         try:
@@ -249,6 +262,8 @@ class Handoff:
             try:
                 if self.error is None and not self._abort:
                     self._consume(bucket, slot)
+                elif self._skipped is not None:
+                    self._skipped(bucket)
             except BaseException as e:
                 self.error = e
             finally:

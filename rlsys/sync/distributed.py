@@ -101,6 +101,7 @@ from rlsys.sync.delta import DeltaEncoder, apply_delta
 from rlsys.sync.delta import split as split_delta
 from rlsys.sync.engine_calls import announce_bucket, begin_session, first_error
 from rlsys.sync.groups import BroadcastGroups
+from rlsys.sync.process_group import abandon_custom_process_group
 from rlsys.sync.verify import TrainerChecksums, probe_engines, verify_engines
 from rlsys.sync.wire import dtype_name
 
@@ -287,9 +288,13 @@ class DistributedWeightSync(BroadcastGroups):
         self._need_full = True  # until every rank agrees that this sync landed whole
         try:
             self._agree(error)
-        except WeightSyncError:
-            if self.direct and not self.is_sender:
-                self.group = None  # may hold a pending send: abandoned, the next sync rebuilds it (see connect)
+        except Exception:
+            if self.direct:  # every rank drops its group (one may hold a pending send); the next sync rebuilds all
+                if self.is_sender:
+                    self.disconnect(broken=True)  # again after a failed finish, which left it connected
+                elif self.group is not None:
+                    abandon_custom_process_group(self.group)
+                    self.group = None
             raise
         self._need_full = False
         stats.seconds = time.perf_counter() - start
@@ -309,9 +314,11 @@ class DistributedWeightSync(BroadcastGroups):
             self._mirror.clear()
 
     def _send_all(self, chunks, stats: SyncStats) -> None:
-        outbox = Handoff(lambda bucket, slot: self._broadcast(bucket, slot, stats), timeout_s=self.timeout_s)
+        outbox = Handoff(
+            lambda bucket, slot: self._broadcast(bucket, slot, stats), timeout_s=self.timeout_s, skipped=self._skipped
+        )
         self._gave_up: set[int] = set()  # the writers that sent their end as failed
-        with _closing(outbox):
+        with outbox.closing():
             self._export(chunks, outbox)
             for src in self.writers[1:]:
                 while (bucket := self._receive(src, outbox)) is not None:
@@ -330,7 +337,7 @@ class DistributedWeightSync(BroadcastGroups):
         # no timeout: the first bucket waits until rank 0 has sent its own, however long that takes
         outbox = Handoff(self._cast_own if self.direct else self._send)
         try:
-            with _closing(outbox):
+            with outbox.closing():
                 self._export(chunks, outbox)
             if self._failure is not None:  # direct: a bucket that did not land
                 raise self._failure
@@ -501,10 +508,13 @@ class DistributedWeightSync(BroadcastGroups):
         try:
             bucket = bucket.aligned()
             send_bucket(bucket, 0, self.funnel, header_only=True)
+            answer = torch.zeros(1, dtype=torch.int64)
+            dist.recv(answer, src=0, group=self.acks)  # go, or skip after a failure: then no send is left pending
+            if answer.item():
+                raise _BucketRefused("rank 0 stopped this sync after an engine failed a bucket")
             sends = self._cast(bucket)
-            verdict = torch.zeros(1, dtype=torch.int64)
-            dist.recv(verdict, src=0, group=self.acks)
-            if verdict.item():
+            dist.recv(answer, src=0, group=self.acks)  # after the engines answered
+            if answer.item():
                 raise _BucketRefused("rank 0 reported that an engine failed this writer's bucket")
             for send in sends:
                 send.wait(timeout=timedelta(seconds=self.timeout_s))
@@ -521,6 +531,8 @@ class DistributedWeightSync(BroadcastGroups):
         drains the sync, and the bucket's and later buckets' sends are skipped."""
         remote = item if isinstance(item, _Remote) else None
         bucket = item.bucket if remote else item
+        if remote is not None and not self._answer(remote.src):  # skipped: the writer starts no send
+            return
         if self._failure is None and bucket.names:
             try:
                 if remote is None:
@@ -535,9 +547,22 @@ class DistributedWeightSync(BroadcastGroups):
                 stats.buckets += 1
             except Exception as e:
                 self._failure = e
-        if remote is not None:  # the writer waits for it whatever happened
-            failed = torch.tensor([int(self._failure is not None)], dtype=torch.int64)
-            dist.send(failed, dst=remote.src, group=self.acks)
+        if remote is not None:  # the writer waits for the verdict whatever happened
+            self._answer(remote.src)
+
+    def _answer(self, writer: int, ok: bool | None = None) -> bool:
+        """Tell a writer whether its bucket goes on (before its send) or landed (after); whether it does."""
+        ok = self._failure is None if ok is None else ok
+        try:
+            dist.send(torch.tensor([int(not ok)], dtype=torch.int64), dst=writer, group=self.acks)
+        except Exception as e:
+            self._failure = self._failure or e
+        return ok
+
+    def _skipped(self, item) -> None:
+        """A bucket the outbox skips after an error: another writer's still waits for its answer."""
+        if isinstance(item, _Remote):
+            self._answer(item.src, ok=False)
 
     def _broadcast_bucket(self, bucket: Bucket) -> None:
         fmt = "flattened_bucket" if self.load_format == "flattened_bucket" else None
@@ -567,18 +592,6 @@ class DistributedWeightSync(BroadcastGroups):
             weight_version=str(self.version),
             timeout_s=self.timeout_s,
         )
-
-
-@contextlib.contextmanager
-def _closing(outbox: Handoff):
-    """Wait for every bucket handed over; after an error skip the queued ones and raise that error."""
-    try:
-        yield outbox
-    except BaseException:
-        with contextlib.suppress(Exception):  # the consumer's error, if any, is the one being raised
-            outbox.close(abort=True)
-        raise
-    outbox.close()
 
 
 __all__ = ["DistributedWeightSync", "SyncStats", "WeightSyncError", "dtype_name"]

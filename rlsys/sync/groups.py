@@ -14,7 +14,11 @@ import torch.distributed as dist
 from rlsys.local_ranks import listening_store, node_address
 from rlsys.rollout import protocol
 from rlsys.sync.engine_calls import first_error, group_world, join_engines, leave_groups
-from rlsys.sync.process_group import destroy_custom_process_group, init_custom_process_group
+from rlsys.sync.process_group import (
+    abandon_custom_process_group,
+    destroy_custom_process_group,
+    init_custom_process_group,
+)
 
 
 class BroadcastGroups:
@@ -113,7 +117,13 @@ class BroadcastGroups:
                 self.connected, self._need_full = True, True
             except Exception as e:
                 error = e
-        self._agree(error)
+                self.disconnect(broken=True)  # the engines leave the groups they did join
+        try:
+            self._agree(error)
+        except Exception:
+            if joined is not None and joined.done() and joined.exception() is None:
+                abandon_custom_process_group(joined.result())  # a group no engine holds any more
+            raise
         if joined is not None:  # complete: every engine has joined it
             self.group = joined.result(timeout=self.timeout_s)
 
@@ -124,6 +134,6 @@ class BroadcastGroups:
         if self.is_sender and (self.group is not None or self.group_names):
             leave_groups(self.broadcast_engines, self.group_names, self.timeout_s)
         self.group_names = []
-        if self.group is not None and not broken:
-            destroy_custom_process_group(self.group)
+        if self.group is not None:
+            (abandon_custom_process_group if broken else destroy_custom_process_group)(self.group)
         self.group = None

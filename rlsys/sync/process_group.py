@@ -12,6 +12,7 @@ group rank 0: SGLang hard-codes ``src=0`` for the sender.
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -48,3 +49,13 @@ def destroy_custom_process_group(pg: dist.ProcessGroup) -> None:
     # process in the no-Ray mode: the first role to shut down takes every group with it).
     if pg in c10d._world.pg_map:
         dist.destroy_process_group(pg)
+
+
+def abandon_custom_process_group(pg: dist.ProcessGroup) -> None:
+    """Give up a group that may hold a send nobody will receive (an engine refused or died mid-bucket); it is
+    never used again. NCCL: its communicator is aborted, ending the kernel that waits for the peer and freeing
+    what it holds (destroying it instead would wait for that kernel). Gloo has no abort: the pending send ends
+    with the group's timeout."""
+    if pg in c10d._world.pg_map and dist.get_backend(pg) == "nccl":
+        with contextlib.suppress(Exception):  # an abort that fails leaves the same abandoned group
+            pg.abort()

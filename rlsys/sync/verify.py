@@ -168,17 +168,23 @@ class TrainerChecksums:
                 self._offer(name, tensor)
 
     def merge(self, other: TrainerChecksums) -> None:
-        """Take in what another writer sent in the same sync (it hashed for the same engines)."""
+        """Take in what another writer sent in the same sync (it hashed for the same engines). The two samples
+        become one of ``sample_size`` that is still uniform over both writers' offers: each pick comes from a
+        side with the odds of the offers it has left."""
         self.sent.update(other.sent)
         self.checksums.update(other.checksums)
         self.skipped += other.skipped
-        for name, rows in other.samples.items():  # each writer's reservoir, thinned to one of ``sample_size``
-            self._offered += 1
-            if len(self.samples) < self.sample_size:
-                self.samples[name] = rows
-            elif (slot := self._rng.randrange(self._offered)) < self.sample_size:
-                del self.samples[list(self.samples)[slot]]
-                self.samples[name] = rows
+        mine, theirs = list(self.samples.items()), list(other.samples.items())
+        left = [self._offered, other._offered]
+        merged: dict[str, torch.Tensor] = {}
+        while len(merged) < self.sample_size and (mine or theirs):
+            side = 0 if not theirs or (mine and self._rng.random() * sum(left) < left[0]) else 1
+            pool = (mine, theirs)[side]
+            name, rows = pool.pop(self._rng.randrange(len(pool)))
+            merged[name] = rows
+            left[side] -= 1
+        self.samples = merged
+        self._offered += other._offered
 
     def _offer(self, name: str, tensor: torch.Tensor) -> None:
         if name not in self.samples:

@@ -243,15 +243,20 @@ def test_sync_makes_every_engine_tensor_equal_the_trainers(
     assert diffs and max(diffs) < 1e-4
 
 
-@pytest.mark.parametrize("layout", [{"pp": 2}, {"tp": 2, "pp": 2}], ids=["pp2", "tp2-pp2"])
-def test_an_engine_refusing_a_second_stage_bucket_fails_every_rank_at_once_and_the_next_sync_lands(
-    engines, tiny_checkpoints, tmp_path, layout
+@pytest.mark.parametrize(
+    "layout,refused",
+    [({"pp": 2}, "_w1"), ({"tp": 2, "pp": 2}, "_w1"), ({"pp": 2}, "_w0")],
+    ids=["pp2-stage1", "tp2-pp2-stage1", "pp2-stage0"],
+)
+def test_an_engine_refusing_a_bucket_fails_every_rank_at_once_and_the_next_sync_lands(
+    engines, tiny_checkpoints, tmp_path, layout, refused
 ):
-    """tp2-pp2: the refused writer's TP peer is in the export's gathers; the writer goes on gathering with it."""
+    """stage1: the refused writer's broadcast has no receiver (tp2-pp2: its TP peer is in the export's gathers,
+    and the writer goes on gathering with it). stage0: rank 0's own bucket; stage 1 is told to skip its sends."""
     hf = tiny_checkpoints["qwen3"]
     urls = [url for _, url in engines("qwen3")]
     world = layout.get("tp", 1) * 2
-    reports = run_sync(hf, layout, world, urls, tmp_path, refuse_group="_w1", timeout_s=120, verify=True)
+    reports = run_sync(hf, layout, world, urls, tmp_path, refuse_group=refused, timeout_s=120, verify=True)
     assert len(reports) == 2  # the writers: one per stage
     for r in reports:  # the stage-1 writer's broadcast had no receiver: it heard of the refusal from rank 0
         assert "refused a bucket in" in r["first_error"] and r["failed_after"] < 30, r

@@ -19,22 +19,32 @@ NODES = ["127.0.0.2", "127.0.0.3"]
 
 
 @pytest.fixture
-def two_nodes():
+def ray_nodes():
+    """Start a Ray cluster of raylets at the given addresses (a head without CPUs, so nothing lands there)."""
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for ip in NODES:
-        cluster.add_node(num_cpus=2, node_ip_address=ip)
-    cluster.wait_for_nodes()
-    yield cluster.address
+    clusters = []
+
+    def start(ips: list[str]) -> str:
+        if ray.is_initialized():  # an earlier test's local instance: train would attach to it, not to this cluster
+            ray.shutdown()
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        clusters.append(cluster)
+        for ip in ips:
+            cluster.add_node(num_cpus=2, node_ip_address=ip)
+        cluster.wait_for_nodes()
+        return cluster.address
+
+    yield start
     if ray.is_initialized():
         ray.shutdown()
-    cluster.shutdown()
+    for cluster in clusters:
+        cluster.shutdown()
 
 
-def test_grpo_with_the_actor_on_one_node_and_the_engine_on_the_other(two_nodes, tmp_path):
+def test_grpo_with_the_actor_on_one_node_and_the_engine_on_the_other(ray_nodes, tmp_path):
     out = tmp_path / "run"
-    keys = [f"trainer.output_dir={out}", f"cluster.ray_address={two_nodes}", "cluster.nodes=2"]
+    keys = [f"trainer.output_dir={out}", f"cluster.ray_address={ray_nodes(NODES)}", "cluster.nodes=2"]
     keys += ["cluster.devices_per_node=2", "cluster.colocate=false", "actor.world_size=2", "rollout.num_engines=1"]
     keys += ["trainer.steps=3", "trainer.eval_every=0", "trainer.export_hf=false", "logging.tensorboard=false"]
     keys += ["rollout.sync.verify=true", "logging.progress=off"]
@@ -48,3 +58,25 @@ def test_grpo_with_the_actor_on_one_node_and_the_engine_on_the_other(two_nodes, 
     command = log.split("\n=== rlsys start #1: ", 1)[1].split("\n", 1)[0].split()
     assert command[command.index("--host") + 1] == NODES[1]  # the engine serves on its own node's address
     assert NODES[0] in command[command.index("--weight-peers") + 1].split(",")  # and takes weights from the actor's
+
+
+def test_fully_async_with_each_pipeline_stage_on_its_own_node(ray_nodes, tmp_path):
+    """Three nodes of one device: PP stage 0 and 1 of the actor on the first two, the engine on the third. Each
+    stage sends its weights from its own node, over its own group with the engine, while the engine keeps
+    generating (fully_async: the producer and the trainer overlap across nodes)."""
+    nodes = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+    out = tmp_path / "run"
+    keys = [f"trainer.output_dir={out}", f"cluster.ray_address={ray_nodes(nodes)}", "cluster.nodes=3"]
+    keys += ["cluster.devices_per_node=1", "cluster.colocate=false", "actor.world_size=2", "rollout.num_engines=1"]
+    keys += ["actor.parallel.tp=1", "actor.parallel.pp=2", "trainer.async_mode=fully_async", "trainer.steps=4"]
+    keys += ["trainer.eval_every=0", "trainer.export_hf=false", "logging.tensorboard=false", "logging.progress=off"]
+    keys += ["rollout.sync.verify=true"]
+    history = train(load_config(CONFIG, keys))
+    assert [m["step"] for m in history] == [1, 2, 3, 4]
+    synced = [m for m in history if "sync/seconds" in m]
+    assert synced and all(m["sync/verified_tensors"] > 0 for m in synced)  # both stages' tensors, as sent
+    assert all(m["rollout/staleness"] <= 2.0 for m in history)
+    with open(out / "logs" / "cpu_engine_0.log") as f:
+        command = f.read().split("\n=== rlsys start #1: ", 1)[1].split("\n", 1)[0].split()
+    assert command[command.index("--host") + 1] == nodes[2]
+    assert set(nodes[:2]) <= set(command[command.index("--weight-peers") + 1].split(","))  # both stages' nodes

@@ -35,7 +35,14 @@ def test_cpu_flags_reads_proc_cpuinfo(tmp_path):
     assert cpu_flags(str(tmp_path / "missing")) == set()
 
 
-def test_node_address_is_the_interface_toward_the_launchers_master(monkeypatch):
+@pytest.fixture
+def outside_ray(monkeypatch):
+    """As in a process Ray never started in (an earlier test may have left Ray initialized in this one)."""
+    ray = pytest.importorskip("ray")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+
+
+def test_node_address_is_the_interface_toward_the_launchers_master(monkeypatch, outside_ray):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     assert node_address() == "127.0.0.1"
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -50,7 +57,7 @@ def test_node_address_is_the_interface_toward_the_launchers_master(monkeypatch):
         s.bind((got, 0))  # one of this machine's own addresses, which a listener can take
 
 
-def test_engines_take_weights_from_every_trainer_node_and_the_configured_master(monkeypatch):
+def test_engines_take_weights_from_every_trainer_node_and_the_configured_master(monkeypatch, outside_ray):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     assert weight_peers("10.0.0.5") == ["10.0.0.5", "127.0.0.1"]  # rank 0 there, other stages' writers here
     assert weight_peers(None) == ["127.0.0.1"]
