@@ -10,9 +10,10 @@ Per sync, on every trainer rank (a collective over the training world):
 3. Each writer broadcasts its own buckets into its own group with the engines (``sync.senders: writers``,
    the default; ``rlsys.sync.groups``), so that no byte crosses the trainer twice and rank 0 is not the
    funnel of every stage's weights. Rank 0 still orders them: a writer sends each bucket's header (names,
-   dtypes, shapes) to rank 0 over a gloo "funnel" group and starts its broadcast; rank 0 announces the
-   bucket to the engines (``update_weights_from_distributed`` with that writer's group) and, once they
-   answered, tells the writer over a second gloo group whether the bucket landed. Rank 0 takes its own
+   dtypes, shapes) to rank 0 over a gloo "funnel" group; when rank 0 gets to it, it tells the writer over
+   a second gloo group to go (or to skip, after a failure: no send is left without a receiver), announces
+   the bucket to the engines (``update_weights_from_distributed`` with that writer's group) while the writer
+   broadcasts, and, once the engines answered, tells the writer whether the bucket landed. Rank 0 takes its own
    buckets first, then each writer's in writer order, one bucket at a time: engines that received two
    groups' buckets in different orders would deadlock. With ``senders: rank0`` (and whenever an engine is
    colocated) writers send the bytes to rank 0 instead, as a header and one flat uint8 tensor from a reused
