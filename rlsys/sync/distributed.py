@@ -186,6 +186,7 @@ class DistributedWeightSync(BroadcastGroups):
         if len(self.transports) != len(engines) or not set(self.transports) <= {"broadcast", "tensor"}:
             raise ValueError(f"transports must be 'broadcast' or 'tensor' per engine, got {self.transports!r}")
         self.broadcast_engines = [e for e, t in zip(engines, self.transports) if t == "broadcast"]
+        self.broadcast_tp = [tp for tp, t in zip(engine_tp, self.transports) if t == "broadcast"]
         self.tensor_engines = [(e, tp) for e, tp, t in zip(engines, engine_tp, self.transports) if t == "tensor"]
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.load_format, self.backend, self.timeout_s = load_format, backend, timeout_s
@@ -215,8 +216,7 @@ class DistributedWeightSync(BroadcastGroups):
         self.control = dist.new_group(backend="gloo")
         # Writers broadcast their own buckets (rank 0 announces them); not into colocated engines, which take
         # rank 0's tensors, nor with one writer. Rank 0 knows the transports and decides for everyone.
-        direct = [senders == "writers" and len(self.writers) > 1 and bool(self.broadcast_engines)]
-        direct[0] = direct[0] and not self.tensor_engines
+        direct = [senders == "writers" and len(self.writers) > 1 and self.broadcast_tp and not self.tensor_engines]
         dist.broadcast_object_list(direct, src=0, group=self.control)
         self.direct = bool(direct[0])
         self.group_names: list[str] = []  # rank 0: the broadcast groups the engines hold, one per sending writer
@@ -501,9 +501,9 @@ class DistributedWeightSync(BroadcastGroups):
         send_bucket(bucket, 0, self.funnel, self._buffer("send", bucket.nbytes, "cpu"))
 
     def _cast_own(self, bucket: Bucket, slot: int) -> None:
-        """A writer's bucket into its own group: the header to rank 0, which announces it to the engines (one
-        bucket at a time over all writers, so every engine receives them in one order), the bytes straight to
-        the engines; then rank 0's verdict, which comes once the engines answered."""
+        """A writer's bucket into its own group: the header to rank 0; on rank 0's go (it takes one bucket at a
+        time over all writers, so every engine receives them in one order) the bytes straight to the engines
+        while rank 0 announces them; then rank 0's verdict, once the engines answered."""
         if self._failure is not None:  # kept, not raised: the export goes on for the TP peers' gathers (see sync)
             return
         try:
@@ -536,13 +536,7 @@ class DistributedWeightSync(BroadcastGroups):
             return
         if self._failure is None and bucket.names:
             try:
-                if remote is None:
-                    self._broadcast_bucket(bucket.aligned())
-                else:
-                    index = self.writers.index(remote.src)
-                    fmt = "flattened_bucket" if self.load_format == "flattened_bucket" else None
-                    args = (bucket, self.group_names[index], self.version, fmt, self.timeout_s)
-                    first_error(announce_bucket(self._calls, self.broadcast_engines, *args), self.timeout_s)
+                self._broadcast_bucket(bucket.aligned(), src=0 if remote is None else remote.src)
                 stats.bytes += bucket.nbytes
                 stats.tensors += len(bucket.names)
                 stats.buckets += 1
@@ -565,7 +559,9 @@ class DistributedWeightSync(BroadcastGroups):
         if isinstance(item, _Remote):
             self._answer(item.src, ok=False)
 
-    def _broadcast_bucket(self, bucket: Bucket) -> None:
+    def _broadcast_bucket(self, bucket: Bucket, src: int = 0) -> None:
+        """``src``: the writer whose group carries the bytes; another writer's (direct) is only announced here,
+        that writer broadcasts it (``_cast_own``)."""
         fmt = "flattened_bucket" if self.load_format == "flattened_bucket" else None
         replies = []
         if self.tensor_engines:  # one payload (one flattened copy) for every colocated engine
@@ -574,9 +570,11 @@ class DistributedWeightSync(BroadcastGroups):
         if not self.broadcast_engines:
             first_error(replies, self.timeout_s)
             return
-        args = (bucket, self.active_group_name, self.version, fmt, self.timeout_s)
-        replies += announce_bucket(self._calls, self.broadcast_engines, *args)
-        sends = self._cast(bucket)
+        group_name = self.group_names[self.writers.index(src)] if src else self.active_group_name
+        replies += announce_bucket(
+            self._calls, self.broadcast_engines, bucket, group_name, self.version, fmt, self.timeout_s
+        )
+        sends = [] if src else self._cast(bucket)
         # An engine answers once it has received the bucket, or at once with its error: waiting on the
         # replies first turns an error answer into an error now, not a broadcast that waits out its timeout.
         first_error(replies, self.timeout_s)

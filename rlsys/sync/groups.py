@@ -33,8 +33,7 @@ class BroadcastGroups:
         if not self.is_sender:
             return
         self._check_engines()
-        casts = [(e, tp) for e, tp, t in zip(self.engines, self.engine_tp, self.transports) if t == "broadcast"]
-        if not casts:
+        if not self.broadcast_engines:
             self.connected = True
             return
         store = listening_store(self.master_address, self.timeout_s)  # holds its port until the engines join
@@ -65,8 +64,7 @@ class BroadcastGroups:
     def _open_group(self, name: str, address: str, port: int, store=None):
         """Rank 0: every broadcast engine joins the group ``name`` whose rank 0 listens at ``address:port``;
         with ``store`` (rank 0's own listener) rank 0 joins it too and the group is returned."""
-        engines = [e for e, t in zip(self.engines, self.transports) if t == "broadcast"]
-        tps = [tp for tp, t in zip(self.engine_tp, self.transports) if t == "broadcast"]
+        engines, tps = self.broadcast_engines, self.broadcast_tp
         futures = join_engines(
             self._calls, engines, tps, name, address, port, backend=self.backend, timeout_s=self.timeout_s
         )
@@ -90,7 +88,7 @@ class BroadcastGroups:
             if rank in self.writers:
                 address = self.master_address if self.is_sender else node_address()
                 store = listening_store(address, self.timeout_s)  # holds its port until the engines join
-                mine = (address, store.port, group_world(self.engine_tp)[0] if self.is_sender else None)
+                mine = (address, store.port, group_world(self.broadcast_tp)[0] if self.is_sender else None)
         except Exception as e:
             error = e
         self._agree(error)
