@@ -67,6 +67,7 @@ def run_rlsys(args, out_dir: str, mode: str = "sync") -> list[dict]:
         f"rollout.sampling.max_new_tokens={args.max_new_tokens}",
         f"actor.batch.micro_batch_size={args.prompts * args.n}",
         f"trainer.async_mode={mode}",
+        *getattr(args, "extra", []),
     ]
     return train(load_config(CONFIG, keys), use_ray=args.ray)
 

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 
 from rlsys.controller.metrics import Timer
 from rlsys.controller.replay import load_rollout, save_rollout
+from rlsys.host_threads import single_threaded
 
 
 def pending_dir(output_dir: str) -> str:
@@ -31,7 +32,7 @@ class AheadRollout:
 
     def __init__(self, source, last_step: int, pending_root: str):
         self.source, self.last_step, self.pending_root = source, last_step, pending_root
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead", initializer=single_threaded)
         self._next: tuple[int, Future] | None = None
 
     def resume(self, step: int) -> bool:

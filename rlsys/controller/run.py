@@ -187,6 +187,7 @@ def _engine_source(cfg: RunConfig, mode: str, model_dir: str, placement, prompts
         device=cfg.cluster.device,
         memory_saver=releases_engine_memory(cfg),
         routed_experts=cfg.algorithm.router_replay == "R3",
+        overlap=mode == "full" and cfg.trainer.async_mode != "sync",
     )
     closers.append((engines.close, engines.close))
     driver, turns = None, cfg.rollout.multi_turn

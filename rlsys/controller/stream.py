@@ -47,6 +47,7 @@ import torch
 from rlsys.algorithms import DynamicSamplingExhausted, groups_with_variance
 from rlsys.controller.metrics import Timer
 from rlsys.controller.replay import load_rollout, save_rollout
+from rlsys.host_threads import single_threaded
 from rlsys.rollout.batch import RolloutBatch
 from rlsys.rollout.protocol import Sample
 
@@ -114,6 +115,7 @@ class StreamRollout:
         return self.closed or (not self.held and not self.finished and free)
 
     def _produce(self) -> None:
+        single_threaded()  # the trainer computes in the main thread meanwhile (rlsys.host_threads)
         try:
             while True:
                 with self.cond:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_connections
 
 from rlsys.errors import UserError
+from rlsys.host_threads import single_threaded
 from rlsys.rewards.registry import get_reward_spec, score_of
 
 logger = logging.getLogger("rlsys.rewards")
@@ -150,6 +151,7 @@ def _run_threads(chunks, items, spec, kwargs, timeout_s, num_workers) -> list:
     done: queue.Queue = queue.Queue()  # per call: results of threads abandoned earlier cannot land here
 
     def body(t):
+        single_threaded()  # beside the loop's thread (rlsys.host_threads)
         done.put((t, _outcome(spec.fn, spec.batched, [items[i] for i in chunks[t]], kwargs)))
 
     outcomes: list = [None] * len(chunks)

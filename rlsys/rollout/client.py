@@ -17,6 +17,7 @@ from typing import Any
 
 import requests
 
+from rlsys.host_threads import single_threaded
 from rlsys.rollout import protocol
 from rlsys.rollout.protocol import Sample
 
@@ -132,7 +133,9 @@ class EngineClient:
         """
         with self._lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(self.max_workers, thread_name_prefix="engine-client")
+                self._executor = ThreadPoolExecutor(
+                    self.max_workers, thread_name_prefix="engine-client", initializer=single_threaded
+                )
             return self._executor.submit(fn, *args, **kwargs)
 
     def close(self) -> None:

@@ -16,6 +16,8 @@ import queue
 import threading
 from concurrent.futures import Future
 
+from rlsys.host_threads import single_threaded
+
 MAX_ABANDONED_PER_WORKER = 4
 
 
@@ -33,6 +35,7 @@ class DaemonPool:
         threading.Thread(target=self._work, daemon=True, name=f"{self.name}-{id(object())}").start()
 
     def _work(self) -> None:
+        single_threaded()  # beside the thread that computes (rlsys.host_threads)
         while (item := self._queue.get()) is not None:
             future, fn, args = item
             if not future.set_running_or_notify_cancel():

@@ -87,6 +87,15 @@ def core_binding(engine: int, num_engines: int, tp: int, cores: Sequence[int]) -
     return "|".join(spans)
 
 
+def engine_threads(cores: int, engines_here: int, overlap: bool) -> int:
+    """Torch threads of a CPU engine with ``engines_here`` engines on a node of ``cores`` cores: its share of
+    the cores, as ``core_binding`` gives SGLang's. In the synchronous loop the trainer waits while the engines
+    generate, so they may take every core; with ``overlap`` (one_step_off, fully_async: the trainer computes
+    at the same time) half of that share, so that the two do not fight over the same cores."""
+    share = max(1, cores // max(engines_here, 1))
+    return max(1, share // 2) if overlap else share
+
+
 def _span(cores: list[int]) -> str:
     if cores == list(range(cores[0], cores[-1] + 1)):
         return str(cores[0]) if len(cores) == 1 else f"{cores[0]}-{cores[-1]}"
@@ -279,11 +288,14 @@ def cpu_engine_command(
     api_key: str | None = None,
     bucket_mb: float = 512,
     peers: Sequence[str] = (),
+    threads: int = 1,
 ) -> list:
-    """``peers``: the addresses trainer rank 0 may dial the engine from (``--weight-peers``; loopback always)."""
+    """``peers``: the addresses trainer rank 0 may dial the engine from (``--weight-peers``; loopback always).
+    ``threads``: its torch threads (``engine_threads``)."""
     # sys.executable of the process that builds the command: the engine's host on a remote node
     command = [sys.executable, "-m", "rlsys.rollout.cpu.server", "--model-path", model_dir, "--host", host]
     command += ["--port", port, "--seed", seed, "--dtype", "float32", "--max-bucket-mb", bucket_mb]
+    command += ["--num-threads", threads]
     command += ["--exit-with-parent"]  # a launcher killed by SIGKILL leaves no engine behind
     command += ["--weight-peers", ",".join(peers)] if peers else []
     return command + (["--api-key", api_key] if api_key else [])
@@ -375,19 +387,22 @@ def _engine_command(
     port: int | None = None,
     routed: bool = False,
     on_node: tuple[int, int] | None = None,
+    overlap: bool = False,
 ) -> list:
     """Engine ``index``'s command line; evaluated on the engine's node (``EngineHost``) when placed. ``on_node``:
-    its index among the engines on its node and how many there are (the CPU core binding; default: every
-    engine on this node)."""
+    its index among the engines on its node and how many there are (the CPU core binding and threads; default:
+    every engine on this node). ``overlap``: the trainer computes while the engines generate (``engine_threads``)."""
     port = free_port(host) if port is None else port
     key = api_key if host not in LOOPBACK else None
     routed_flag = ["--enable-return-routed-experts"] if routed else []
+    local, count = on_node or (index, cfg.num_engines)
     if cfg.engine == "cpu":
         peers = weight_peers(cfg.sync.master_address)
-        return cpu_engine_command(model_dir, seed + index, host, port, key, cfg.sync.bucket_mb, peers) + routed_flag
+        threads = engine_threads(len(os.sched_getaffinity(0)), count, overlap)
+        command = cpu_engine_command(model_dir, seed + index, host, port, key, cfg.sync.bucket_mb, peers, threads)
+        return command + routed_flag
     env, extra = dict(cfg.sglang_env), [*routed_flag, *cfg.sglang_args]
     if device == "cpu":
-        local, count = on_node or (index, cfg.num_engines)
         binding = core_binding(local, count, cfg.tp, sorted(os.sched_getaffinity(0)))
         env = {**sglang_cpu_env(cfg.sglang_python, binding), **env}
     if cfg.sync.delta:  # deltas become whole tensors in SGLang's process, through rlsys's loader there
@@ -420,12 +435,14 @@ def start_engines(
     device: str = "cuda",
     memory_saver: bool = False,
     routed_experts: bool = False,
+    overlap: bool = False,
 ) -> EnginePool:
     """Attach to ``rollout.urls``, or launch ``num_engines`` engines serving ``model_dir``: on the devices
     ``placement`` gives them (each through an ``EngineHost`` actor on its node), or without a placement as
     local processes on the first devices of this machine. ``memory_saver``: SGLang's
     ``--enable-memory-saver``, for engines that release their memory between rollouts. ``routed_experts``:
-    ``--enable-return-routed-experts`` and every generate asking for the routes (MoE routing replay R3). Engine ``i`` is
+    ``--enable-return-routed-experts`` and every generate asking for the routes (MoE routing replay R3). ``overlap``:
+    the trainer computes while the engines generate (CPU engines take fewer threads). Engine ``i`` is
     seeded ``seed + i``: engines with one seed would draw the same samples for the same batch."""
     os.makedirs(log_dir, exist_ok=True)
     if cfg.urls:
@@ -441,7 +458,16 @@ def start_engines(
     api_key = cfg.api_key or secrets.token_hex(16)
     kind = "sglang" if cfg.engine == "sglang" else "cpu_engine"
     build = functools.partial(
-        _engine_command, memory_saver, cfg, model_dir, dtype, seed, device, api_key=api_key, routed=routed_experts
+        _engine_command,
+        memory_saver,
+        cfg,
+        model_dir,
+        dtype,
+        seed,
+        device,
+        api_key=api_key,
+        routed=routed_experts,
+        overlap=overlap,
     )
     servers = []
     try:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from rlsys.errors import UserError
+from rlsys.host_threads import single_threaded
 from rlsys.rollout import protocol
 from rlsys.rollout.client import EngineClient, EngineError
 from rlsys.rollout.process import ServerError, ServerProcess
@@ -77,7 +78,9 @@ class EnginePool:
         self.restarts = 0  # engines restarted so far (the step metrics report it as rollout/engine_restarts)
         self._next = 0  # round-robin cursor
         self._suspect = False  # a request failed since the last check_and_restart
-        self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="engine-pool")
+        self._executor = ThreadPoolExecutor(
+            max_concurrency, thread_name_prefix="engine-pool", initializer=single_threaded
+        )
         self._closed = False
         self.return_routed_experts = False  # MoE routing replay R3: every generate asks for the routes
         atexit.register(self.close)

@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from rlsys.host_threads import single_threaded
 from rlsys.sync.wire import dtype_from_str, dtype_name
 
 
@@ -257,6 +258,7 @@ class Handoff:
             raise self.error
 
     def _run(self) -> None:
+        single_threaded()  # the producer's thread exports at the same time (rlsys.host_threads)
         while (item := self._work.get()) is not None:
             bucket, slot = item
             try:

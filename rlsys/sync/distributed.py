@@ -92,6 +92,7 @@ import torch
 import torch.distributed as dist
 
 from rlsys.architectures.fp8 import quantize_named_tensors
+from rlsys.host_threads import single_threaded
 from rlsys.local_ranks import node_address
 from rlsys.megatron.export import is_dense_writer, is_expert_writer, iter_hf_tensors
 from rlsys.rollout import protocol
@@ -221,7 +222,7 @@ class DistributedWeightSync(BroadcastGroups):
         self.direct = bool(direct[0])
         self.group_names: list[str] = []  # rank 0: the broadcast groups the engines hold, one per sending writer
         self.version = 0
-        self._calls = ThreadPoolExecutor(max(4, 2 * len(engines)), thread_name_prefix="weight-sync")
+        self._calls = ThreadPoolExecutor(max(4, 2 * len(engines)), "weight-sync", single_threaded)
         self._failure: BaseException | None = None  # this sync's first send error (rank 0: an engine's)
         self._groups_made = 0  # a rebuilt broadcast group gets a fresh name (the old one may hold a stale send)
         self._sessions: list = []  # engines whose weight-update session is open

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlsys.host_threads import single_threaded
 from rlsys.rollout.client import EngineError
 from rlsys.sync.wire import dtype_from_str, dtype_name, tensor_checksum
 
@@ -344,5 +345,5 @@ def _version_error(got, want) -> str | None:
 def _each(clients: Sequence, fn) -> list:
     if not clients:
         return []
-    with ThreadPoolExecutor(len(clients)) as pool:
+    with ThreadPoolExecutor(len(clients), initializer=single_threaded) as pool:
         return list(pool.map(fn, clients))

@@ -88,7 +88,7 @@ class TrainBatch:
         """Which response tokens of sample ``i`` are trained on (all unless a ``loss_mask`` field says otherwise)."""
         if "loss_mask" in self.fields:
             return self.fields["loss_mask"][i].float()
-        return torch.ones(self.response_lengths[i])
+        return torch.ones(int(self.sequences[i].shape[0]) - self.prompt_lengths[i])
 
     def select(self, indices: Sequence[int]) -> TrainBatch:
         return TrainBatch(

@@ -1,5 +1,6 @@
 """Engine command lines (``rlsys.rollout.launch``) and the sync transport per engine (``rlsys.plan``)."""
 
+import os
 import socket
 
 import pytest
@@ -10,9 +11,11 @@ from rlsys.local_ranks import cpu_flags, node_address
 from rlsys.plan import sync_transports
 from rlsys.rollout.launch import (
     CPU_MAX_TOTAL_TOKENS,
+    _engine_command,
     core_binding,
     cpu_attention_backend,
     engine_dtype,
+    engine_threads,
     sglang_command,
     sglang_cpu_env,
     weight_peers,
@@ -72,6 +75,38 @@ def test_core_binding_gives_each_rank_its_own_cores():
     # fewer cores than ranks: shared round robin rather than refused
     assert [core_binding(i, 3, 1, [0, 1]) for i in range(3)] == ["0", "1", "0"]
     assert core_binding(0, 1, 1, [0, 2, 4]) == "0,2,4"
+
+
+def test_cpu_engine_threads_take_the_nodes_cores_unless_the_trainer_computes_meanwhile(monkeypatch):
+    assert [engine_threads(8, n, overlap=False) for n in (1, 2, 3, 16)] == [8, 4, 2, 1]
+    assert [engine_threads(8, n, overlap=True) for n in (1, 2, 3, 16)] == [4, 2, 1, 1]
+    assert engine_threads(2, 1, overlap=True) == 1 and engine_threads(1, 1, overlap=False) == 1
+    cfg = load_config(None, ["rollout.engine=cpu", "rollout.num_engines=2"]).rollout
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+
+    def threads(**kw):
+        cmd = [str(a) for a in _engine_command(False, cfg, "/m", "float32", 0, "cpu", 1, api_key=None, port=1, **kw)]
+        return int(cmd[cmd.index("--num-threads") + 1])
+
+    assert threads() == 4  # two engines on this node: half the cores each
+    assert threads(overlap=True) == 2
+    assert threads(on_node=(0, 1)) == 8  # the other engine is on another node
+
+
+def test_cpu_ranks_leave_the_engines_their_cores_when_both_compute_at_once(monkeypatch):
+    from rlsys.controller.setup import cpu_rank_threads, role_spec
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    tiny = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny-cpu-grpo.yaml")
+    base = ["rollout.engine=cpu", "rollout.num_engines=1", "cluster.nodes=1"]
+    sync = load_config(tiny, [*base, "trainer.async_mode=sync"])
+    assert cpu_rank_threads(sync, 2) == 4  # the loop alternates: the ranks share every core
+    for mode in ("one_step_off", "fully_async"):
+        overlap = load_config(tiny, [*base, f"trainer.async_mode={mode}"])
+        assert cpu_rank_threads(overlap, 2) == 2  # the engine keeps its 4 (engine_threads)
+    attached = load_config(tiny, [*base, "trainer.async_mode=one_step_off", "rollout.urls=[http://h:1]"])
+    assert cpu_rank_threads(attached, 2) == 4  # an attached server runs elsewhere
+    assert role_spec(sync, "actor", "/m", 1).threads == cpu_rank_threads(sync, sync.actor.parallel.tp)
 
 
 def test_engines_split_the_cores_of_their_own_node_only():

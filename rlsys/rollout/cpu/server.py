@@ -38,15 +38,11 @@ from aiohttp import web
 from rlsys.architectures.hf_checkpoint import HFCheckpoint
 from rlsys.faults import engine_dies
 from rlsys.host_memory import keep_freed_memory
+from rlsys.host_threads import single_threaded
 from rlsys.lifetime import exit_with_parent
 from rlsys.rollout.cpu.generate import Gate, Generator, parse_request
 from rlsys.rollout.cpu.routing import server_capture
-from rlsys.rollout.cpu.weights import (
-    HFWeights,
-    WeightUpdateError,
-    decode_tensor_payload,
-    view_bytes,
-)
+from rlsys.rollout.cpu.weights import HFWeights, WeightUpdateError, decode_tensor_payload, view_bytes
 from rlsys.sync.process_group import destroy_custom_process_group, init_custom_process_group
 from rlsys.sync.wire import dtype_from_str
 
@@ -461,8 +457,9 @@ ROUTES = {  # path: (methods, engine method, runs on the control pool)
 def build_app(engine: CPUEngine, api_key: str | None = None, max_request_bytes: int = 1 << 30) -> web.Application:
     """``api_key``: as SGLang's ``--api-key``, every endpoint but ``/health*`` wants ``Authorization: Bearer``.
     ``max_request_bytes``: larger bodies are refused (413) before they are read."""
-    gen_pool = ThreadPoolExecutor(64, thread_name_prefix="generate")
-    ctl_pool = ThreadPoolExecutor(16, thread_name_prefix="control")
+    threads = torch.get_num_threads()  # generation's own count; control handlers run single-threaded (host_threads)
+    gen_pool = ThreadPoolExecutor(64, "generate", initializer=torch.set_num_threads, initargs=(threads,))
+    ctl_pool = ThreadPoolExecutor(16, "control", initializer=single_threaded)
 
     @web.middleware
     async def authorize(request: web.Request, handler):
@@ -559,7 +556,7 @@ def main(argv=None) -> None:
     ap.add_argument("--weight-version", default="default")
     ap.add_argument("--enable-weights-cpu-backup", action="store_true", help="resume restores released weights")
     ap.add_argument("--enable-return-routed-experts", action="store_true", help="MoE: return_routed_experts")
-    ap.add_argument("--num-threads", type=int, default=1, help="torch CPU threads (1 suits small models)")
+    ap.add_argument("--num-threads", type=int, default=1, help="torch threads of generation (engine_threads)")
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (but on /health)")
     ap.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process is gone")
     ap.add_argument(
