@@ -67,7 +67,7 @@ def run_rlsys(args, out_dir: str, mode: str = "sync") -> list[dict]:
         f"rollout.sampling.max_new_tokens={args.max_new_tokens}",
         f"actor.batch.micro_batch_size={args.prompts * args.n}",
         f"trainer.async_mode={mode}",
-        *getattr(args, "extra", []),
+        *args.set,
     ]
     return train(load_config(CONFIG, keys), use_ray=args.ray)
 
@@ -88,6 +88,7 @@ def main() -> int:
     ap.add_argument(
         "--modes", default="sync", help="trainer.async_mode values to run, e.g. sync,one_step_off,fully_async"
     )
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more config overrides")
     ap.add_argument("--trl-python", help="an interpreter with trl installed: also run TRL's GRPOTrainer")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
