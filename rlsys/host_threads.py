@@ -9,9 +9,10 @@ on 2 threads took 30 us before a helper thread had run a torch op and 110 us aft
 training rank's megatron forward + backward (4.4M parameters) ran no faster on 2 threads than on 1.
 
 So helper threads call ``single_threaded`` first (``ThreadPoolExecutor(initializer=single_threaded)``), and
-the thread that computes (a trainer rank's, the CPU engine's generation threads) sets its own count. Note that
-``torch.set_num_threads`` is per calling thread for OpenMP, and also the count new threads start from: the
-computing thread must set its count itself, not inherit it.
+the thread that computes (a trainer rank's, the CPU engine's generation threads) sets its own with
+``own_threads``. ``torch.set_num_threads`` is per calling thread for OpenMP, but it also sets the count a thread
+takes when torch first uses threads in it: a computing thread that inherited its count, or that had not run an
+op yet, could end up with a helper's 1.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ from __future__ import annotations
 import torch
 
 
+def own_threads(n: int) -> None:
+    """Run this thread's torch CPU ops on ``n`` threads, whatever another thread sets later."""
+    torch.set_num_threads(n)
+    torch.get_num_threads()  # torch's first use in a thread reads the last count any thread set: settle it now
+
+
 def single_threaded() -> None:
     """Run this thread's torch CPU ops on itself alone (no OpenMP team of its own)."""
-    torch.set_num_threads(1)
+    own_threads(1)

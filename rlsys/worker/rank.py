@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from rlsys.host_threads import own_threads
 from rlsys.worker.spec import RoleSpec
 
 _RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -40,7 +41,7 @@ class RankWorker:
         world = spec.world
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank), WORLD_SIZE=str(world))
         os.environ.setdefault("LOCAL_RANK", str(rank))
-        torch.set_num_threads(spec.threads)  # ranks share the host's cores
+        own_threads(spec.threads)  # ranks share the host's cores (rlsys.host_threads)
         store = self._store if rank == 0 else store_client(*master, timeout_s=600)
         init_distributed(spec.device, store=store)
         p = spec.role_cfg.parallel

@@ -75,3 +75,32 @@ def test_the_cpu_engines_generation_threads_keep_the_engines_count(two_threads):
     finally:
         gen.shutdown()
         ctl.shutdown()
+
+
+def test_a_computing_thread_keeps_its_count_when_a_helper_sets_one_before_its_first_op(two_threads):
+    """torch gives a thread, at its first parallel op, the count any thread set last: with plain
+    ``torch.set_num_threads`` a rank whose helper started first would compute on one thread."""
+    from rlsys.host_threads import own_threads
+
+    seen = {}
+    ready, go = threading.Event(), threading.Event()
+
+    def computing(set_count):
+        set_count(2)
+        ready.set()
+        go.wait()
+        torch.ones(300_000).mul(2.0)
+        seen[set_count.__name__] = torch.get_num_threads()
+
+    for set_count in (torch.set_num_threads, own_threads):
+        ready.clear()
+        go.clear()
+        t = threading.Thread(target=computing, args=(set_count,))
+        t.start()
+        ready.wait()
+        helper = threading.Thread(target=single_threaded)
+        helper.start()
+        helper.join()
+        go.set()
+        t.join()
+    assert seen == {"set_num_threads": 1, "own_threads": 2}

@@ -38,7 +38,7 @@ from aiohttp import web
 from rlsys.architectures.hf_checkpoint import HFCheckpoint
 from rlsys.faults import engine_dies
 from rlsys.host_memory import keep_freed_memory
-from rlsys.host_threads import single_threaded
+from rlsys.host_threads import own_threads, single_threaded
 from rlsys.lifetime import exit_with_parent
 from rlsys.rollout.cpu.generate import Gate, Generator, parse_request
 from rlsys.rollout.cpu.routing import server_capture
@@ -458,7 +458,7 @@ def build_app(engine: CPUEngine, api_key: str | None = None, max_request_bytes: 
     """``api_key``: as SGLang's ``--api-key``, every endpoint but ``/health*`` wants ``Authorization: Bearer``.
     ``max_request_bytes``: larger bodies are refused (413) before they are read."""
     threads = torch.get_num_threads()  # generation's own count; control handlers run single-threaded (host_threads)
-    gen_pool = ThreadPoolExecutor(64, "generate", initializer=torch.set_num_threads, initargs=(threads,))
+    gen_pool = ThreadPoolExecutor(64, "generate", initializer=own_threads, initargs=(threads,))
     ctl_pool = ThreadPoolExecutor(16, "control", initializer=single_threaded)
 
     @web.middleware
