@@ -52,12 +52,14 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # ------------------------------------------------------------ SGLang on the CPU
 
 
-def cpu_attention_backend(flags: set[str] | None = None) -> str:
+def cpu_attention_backend(flags: set[str] | None = None, head_dims: Sequence[int] = ()) -> str:
     """SGLang's attention backend for this CPU: ``intel_amx`` with AMX-BF16 (its fast path: AMX-packed
     linear weights), ``torch_native`` with AVX-512 + AVX512-BF16 but no AMX (measured on an AMD EPYC: serves
-    and syncs weights). The sgl-kernel CPU build needs at least AVX-512 with BF16."""
+    and syncs weights). The sgl-kernel CPU build needs at least AVX-512 with BF16. ``head_dims``: the model's
+    query/key and value head sizes; intel_amx's attention kernels take only multiples of 32 (sgl-kernel
+    refuses ``invalid head_size 16`` at the first prefill), so other models get torch_native on AMX too."""
     flags = cpu_flags() if flags is None else flags
-    if {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"} <= flags:
+    if {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"} <= flags and all(d % 32 == 0 for d in head_dims):
         return "intel_amx"
     if {"avx512f", "avx512_bf16"} <= flags:
         return "torch_native"
@@ -94,6 +96,18 @@ def engine_threads(cores: int, engines_here: int, overlap: bool) -> int:
     at the same time) half of that share, so that the two do not fight over the same cores."""
     share = max(1, cores // max(engines_here, 1))
     return max(1, share // 2) if overlap else share
+
+
+def attention_head_dims(model_path: str) -> tuple[int, ...]:
+    """The query/key and value head sizes of the HF checkpoint at ``model_path`` (none if it cannot be read:
+    SGLang then says what is wrong with it)."""
+    from rlsys.architectures.hf_config import read_arch
+
+    try:
+        arch = read_arch(str(model_path))
+    except Exception:  # a missing or unsupported config: the backend is chosen from the CPU alone
+        return ()
+    return (arch.head_dim, arch.v_head_dim) if arch.v_head_dim else (arch.head_dim,)
 
 
 def _span(cores: list[int]) -> str:
@@ -180,7 +194,7 @@ def sglang_command(
     if device == "cpu":
         cmd += ["--device", "cpu", "--disable-overlap-schedule"]
         if "--attention-backend" not in extra:
-            cmd += ["--attention-backend", cpu_attention_backend()]
+            cmd += ["--attention-backend", cpu_attention_backend(head_dims=attention_head_dims(model_path))]
         if "--max-total-tokens" not in extra:
             cmd += ["--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS)]
         # an idle CPU scheduler otherwise spins a whole core (measured: 101% vs 2%) that the trainer needs

@@ -27,8 +27,34 @@ AMX = {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
 def test_attention_backend_follows_the_instruction_set():
     assert cpu_attention_backend(AMX) == "intel_amx"
     assert cpu_attention_backend(AMX - {"amx_bf16", "amx_tile"}) == "torch_native"  # AVX-512 BF16, no AMX
+    # intel_amx's kernels take head sizes in multiples of 32 only (the tests' tiny models have 16)
+    assert cpu_attention_backend(AMX, head_dims=(64,)) == "intel_amx"
+    assert cpu_attention_backend(AMX, head_dims=(192, 128)) == "intel_amx"  # MLA: q/k and v sizes
+    assert cpu_attention_backend(AMX, head_dims=(16,)) == "torch_native"
+    assert cpu_attention_backend(AMX, head_dims=(64, 48)) == "torch_native"
     with pytest.raises(ConfigError, match=r"lacks avx512_bf16, avx512f.*rollout.engine: cpu"):
         cpu_attention_backend({"avx2", "fma"})
+
+
+def test_the_attention_backend_follows_the_checkpoints_head_size(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setattr("rlsys.rollout.launch.cpu_flags", lambda: AMX)  # as on an AMX machine, wherever this runs
+    from rlsys.rollout.launch import attention_head_dims
+
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            dict(
+                model_type="qwen2", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2,
+            )
+        )
+    )  # fmt: skip
+    assert attention_head_dims(str(tmp_path)) == (16,)
+    assert attention_head_dims(str(tmp_path / "missing")) == ()
+    cmd = sglang_command(str(tmp_path), 1, 30001, 0.5, device="cpu")
+    backend = cmd[cmd.index("--attention-backend") + 1]
+    assert backend == "torch_native"  # 16 is no multiple of 32
 
 
 def test_cpu_flags_reads_proc_cpuinfo(tmp_path):
