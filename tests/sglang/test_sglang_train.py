@@ -6,7 +6,7 @@ import math
 import os
 
 import pytest
-from real_sglang import TINY_LLAMA
+from real_sglang import COMPARABLE_TENSORS, TINY_LLAMA
 
 from rlsys.config import load_config
 from rlsys.controller.loop import train
@@ -58,7 +58,8 @@ def test_grpo_on_real_sglang(sglang_py, tmp_path, engines, transport, trainer_dt
         assert all(math.isfinite(v) for v in finite.values())
         assert m["rollout/weight_version"] == m["step"]  # every sample came from the weights synced for it
         assert m["rollout/logprob_diff_max"] < bound, m["rollout/logprob_diff_max"]
-        assert m["sync/verified_tensors"] == 21 * engines and m["sync/unverifiable_tensors"] == 0
+        assert m["sync/verified_tensors"] == COMPARABLE_TENSORS * engines
+        assert m["sync/unverifiable_tensors"] == 21 - COMPARABLE_TENSORS
     assert history[-1]["actor/grad_norm"] > 0
     logs = sorted(os.listdir(out / "logs"))
     assert [f for f in logs if f.startswith("sglang_")] == [f"sglang_{i}.log" for i in range(engines)]
@@ -99,7 +100,9 @@ def test_fully_async_with_partial_rollouts_on_real_sglang(sglang_py, tmp_path):
     land mid-generation; SGLang retracts the requests in flight, loads the new weights (verified) and
     continues them, and its ``weight_versions`` tell the staleness of every sample."""
     keys = [*LLAMA, f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=4", "trainer.eval_every=0"]
-    keys += ["trainer.export_hf=false", "logging.tensorboard=false", "data.prompts_per_step=4", "rollout.sampling.n=4"]
+    # rounds of 64 samples: generation, not the update, sets the pace, so syncs find requests in flight (with 16
+    # samples a round, a faster CPU finished each round before the next sync and nothing was partial)
+    keys += ["trainer.export_hf=false", "logging.tensorboard=false", "data.prompts_per_step=8", "rollout.sampling.n=8"]
     keys += ["rollout.engine=sglang", f"rollout.sglang_python={sglang_py}", "rollout.sync.verify=true"]
     keys += ["rollout.sampling.max_new_tokens=96", "trainer.async_mode=fully_async"]
     keys += ["trainer.fully_async.queue_batches=2", "algorithm.mismatch.mode=tis"]
