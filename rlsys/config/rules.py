@@ -149,6 +149,12 @@ def _check_rollout(r: RolloutConfig) -> None:
     _need(0 < r.mem_fraction <= 1, "rollout.mem_fraction", r.mem_fraction, "must be in (0, 1]")
     s = r.sampling
     _positive(s, "rollout.sampling", "n", "max_new_tokens")
+    _need(
+        0 <= s.min_new_tokens <= s.max_new_tokens,
+        "rollout.sampling.min_new_tokens",
+        s.min_new_tokens,
+        f"must be in [0, rollout.sampling.max_new_tokens={s.max_new_tokens}]",
+    )
     _need(s.temperature >= 0, "rollout.sampling.temperature", s.temperature, "must be >= 0")
     _need(0 < s.top_p <= 1, "rollout.sampling.top_p", s.top_p, "must be in (0, 1]")
     _need(s.top_k == -1 or s.top_k >= 1, "rollout.sampling.top_k", s.top_k, "must be -1 (off) or >= 1")

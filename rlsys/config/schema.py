@@ -98,6 +98,9 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = -1  # -1 disables top-k, as in SGLang
     max_new_tokens: int = 1024
+    # stop tokens (EOS included) masked until a response has this many tokens; training samples only (greedy
+    # evaluation ends where the policy does). SGLang's and the CPU engine's min_new_tokens
+    min_new_tokens: int = 0
     stop: list[str] = field(default_factory=list)  # extra stop strings besides EOS
     # Send a sampling_seed derived from (trainer.seed, step): a resumed run then samples exactly what the
     # uninterrupted run did (the CPU engine seeds sample j of a request with seed + j). Off by default:

@@ -196,6 +196,7 @@ def _engine_source(cfg: RunConfig, mode: str, model_dir: str, placement, prompts
     elif turns.agent:
         s = cfg.rollout.sampling
         fixed = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "max_new_tokens": s.max_new_tokens}
+        fixed.update({"min_new_tokens": s.min_new_tokens} if s.min_new_tokens else {})
         server = ChatServer(engines, prompts.tokenizer, fmt=turns.tool_format, sampling=fixed)
         driver = AgentDriver(server, agent_function(turns.agent), turns)
     if driver is not None:

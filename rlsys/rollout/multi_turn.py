@@ -137,6 +137,8 @@ class MultiTurnDriver:
             by_budget.setdefault(min(max_new, self.cfg.max_total_tokens - len(t.ids)), []).append(t)
         for g, (budget, group) in enumerate(by_budget.items()):
             params = dict(turn, max_new_tokens=budget)
+            if "min_new_tokens" in turn:  # a turn near max_total_tokens cannot owe more than its budget
+                params["min_new_tokens"] = min(int(turn["min_new_tokens"]), budget)
             if "sampling_seed" in turn:
                 params["sampling_seed"] = (turn["sampling_seed"] + g * 100_003) % 2**31
             samples = self.engines.generate([t.prompt_ids + t.ids for t in group], params)

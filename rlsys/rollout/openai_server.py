@@ -158,6 +158,8 @@ class ChatServer:
         params.update({k: v for k, v in self.sampling.items() if k != "max_new_tokens"})
         if cap:
             params["max_new_tokens"] = min(params["max_new_tokens"], int(cap))
+        if "min_new_tokens" in params:  # an agent's short max_tokens wins over the run's floor
+            params["min_new_tokens"] = min(int(params["min_new_tokens"]), params["max_new_tokens"])
         return list(self.tokenizer.encode(text, add_special_tokens=False)), params
 
     def _answer(self, completions: list[Completion], with_logprobs: bool) -> dict:

@@ -146,6 +146,8 @@ def sampling_params_from_config(
         stop_token_ids=stop_token_ids,
         n=1 if greedy else cfg.n,
     )
+    if cfg.min_new_tokens and not greedy:
+        params["min_new_tokens"] = int(cfg.min_new_tokens)
     if seed is not None and cfg.reproducible and not greedy:
         params["sampling_seed"] = int(seed)
     return params

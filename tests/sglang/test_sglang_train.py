@@ -100,15 +100,20 @@ def test_fully_async_with_partial_rollouts_on_real_sglang(sglang_py, tmp_path):
     land mid-generation; SGLang retracts the requests in flight, loads the new weights (verified) and
     continues them, and its ``weight_versions`` tell the staleness of every sample."""
     keys = [*LLAMA, f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=4", "trainer.eval_every=0"]
-    # rounds of 64 samples: generation, not the update, sets the pace, so syncs find requests in flight (with 16
-    # samples a round, a faster CPU finished each round before the next sync and nothing was partial)
-    keys += ["trainer.export_hf=false", "logging.tensorboard=false", "data.prompts_per_step=8", "rollout.sampling.n=8"]
+    # Generation, not the update, must set the pace, or every round ends before the next sync and nothing is
+    # partial (a CI machine with AMX finished 64 natural-length answers, ~27 tokens, faster than an update).
+    # A round's time is its longest answer's decode steps, an update's is its token count: 8 answers of exactly
+    # 256 tokens make a round several updates long on any machine whose decode step is not far cheaper.
+    keys += ["trainer.export_hf=false", "logging.tensorboard=false", "data.prompts_per_step=2", "rollout.sampling.n=4"]
     keys += ["rollout.engine=sglang", f"rollout.sglang_python={sglang_py}", "rollout.sync.verify=true"]
-    keys += ["rollout.sampling.max_new_tokens=96", "trainer.async_mode=fully_async"]
-    keys += ["trainer.fully_async.queue_batches=2", "algorithm.mismatch.mode=tis"]
+    keys += ["rollout.sampling.max_new_tokens=256", "rollout.sampling.min_new_tokens=256"]
+    keys += ["trainer.async_mode=fully_async", "trainer.fully_async.queue_batches=2", "algorithm.mismatch.mode=tis"]
     history = train(load_config(CONFIG, keys))
     assert [m["step"] for m in history] == [1, 2, 3, 4]
     for m in history:
         assert m["rollout/staleness"] <= 2.0 and m["async/dropped_stale_groups"] == 0.0
         assert 1.0 <= m["async/versions_per_sample"] <= 3.0
-    assert max(m["async/partial_samples"] for m in history) > 0, [m["async/partial_samples"] for m in history]
+    timing = [(round(m["time/rollout_s"], 2), round(m["time/update_s"] + m["time/sync_s"], 2)) for m in history]
+    partial = [m["async/partial_samples"] for m in history]
+    assert max(partial) > 0, (partial, "(round s, update + sync s):", timing)
+    assert all(m["response/length_mean"] == 256 for m in history)  # min_new_tokens reached SGLang

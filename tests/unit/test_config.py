@@ -260,6 +260,7 @@ BAD = [
         "critic.world_size': None is invalid",
     ),
     ("batch vs dp", ["data.prompts_per_step=3", "rollout.sampling.n=2"], "6 samples"),
+    ("min above max", ["rollout.sampling.min_new_tokens=9999"], "must be in [0, rollout.sampling.max_new_tokens="),
     ("sequence too long", ["rollout.sampling.max_new_tokens=4000"], "exceeds the model's max_position_embeddings"),
     ("token budget below a sequence", ["actor.batch.max_tokens_per_microbatch=100"], "must hold one whole sequence"),
     (

@@ -77,6 +77,9 @@ def test_sampling_params_from_config():
     assert "sampling_seed" not in protocol.sampling_params_from_config(cfg, seed=7)  # not reproducible
     cfg.reproducible = True
     assert protocol.sampling_params_from_config(cfg, seed=7)["sampling_seed"] == 7
+    cfg.min_new_tokens = 16  # training samples owe 16 tokens; greedy evaluation ends where the policy does
+    assert protocol.sampling_params_from_config(cfg)["min_new_tokens"] == 16
+    assert "min_new_tokens" not in protocol.sampling_params_from_config(cfg, greedy=True)
 
 
 def test_parse_recorded_reply():
