@@ -202,7 +202,9 @@ class Probe:
                 return getattr(self._real, name)
 
         sd.iter_hf_tensors = timed_iter
-        export._gather = self.timed("gather", export._gather)  # looked up at call time by iter_hf_tensors
+        # posting a parameter's receives and waiting for them (looked up at call time by iter_hf_tensors)
+        export._start_gather = self.timed("gather", export._start_gather)
+        export._done = self.timed("gather", export._done)
         sd.dist = TimedDist(sd.dist)
         sd.recv_bucket = self.timed("funnel_recv", sd.recv_bucket)
         Bucket.flattened = self.timed("flatten", Bucket.flattened)  # in _hand_over, on the main thread

@@ -114,8 +114,9 @@ class SyncConfig:
 
     bucket_mb: float = 512  # tensors per broadcast (and per engine receive buffer), in MiB
     # flattened_bucket: one uint8 broadcast per bucket; per_tensor: one per tensor (rlsys's CPU engine receives
-    # those straight into its parameters); auto: per_tensor into the CPU engine, flattened_bucket into SGLang
-    load_format: Literal["auto", "flattened_bucket", "per_tensor"] = "auto"
+    # those straight into its parameters); per_bucket: flattened where a bucket's tensors average under 1 MiB,
+    # else per tensor (rlsys.sync.buckets); auto: per_bucket into the CPU engine, flattened_bucket into SGLang
+    load_format: Literal["auto", "flattened_bucket", "per_tensor", "per_bucket"] = "auto"
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on cuda, gloo on cpu
     # auto: update_weights_from_tensor into engines colocated on the first node, a broadcast group for the rest
     transport: Literal["auto", "broadcast", "tensor"] = "auto"

@@ -2,7 +2,8 @@
 
 A collective over the model grid: every rank calls ``iter_hf_tensors`` and
 the *writer* ranks receive the merged HF tensors, one Megatron parameter at a
-time, so no rank ever holds more than one full parameter beyond its shard.
+time (the next one's shards arriving meanwhile), so no rank ever holds more than
+two full parameters beyond its shards.
 
 Who writes what (no tensor crosses a pipeline stage or an expert-parallel
 rank; each stage exports its own layers):
@@ -28,22 +29,42 @@ from rlsys.megatron.params import MappedParam, iter_mapped_params
 from rlsys.megatron.topology import Topology
 
 
-def _gather(p: MappedParam, group) -> list[torch.Tensor] | None:
-    """All shards of ``p`` on the group's rank 0 (the writer), ``None`` elsewhere.
+def _start_gather(p: MappedParam, group) -> tuple[list[torch.Tensor] | None, list]:
+    """Start collecting all shards of ``p`` on the group's rank 0 (the writer): ``(shards, receives)`` there,
+    the shards complete once the receives are done; ``(None, [])`` elsewhere, after sending this rank's shard.
 
-    Point-to-point receives rather than an all-gather: only the writer uses the shards, and gloo's
-    gather collectives are several times slower than send/recv for the same bytes.
+    Point-to-point rather than an all-gather: only the writer uses the shards, and gloo's gather collectives
+    are several times slower than send/recv for the same bytes. The writer posts a parameter's receives
+    before it converts the one before, so the next shards arrive while it converts (gloo matches a pair's
+    messages in order).
     """
     local = p.tensor.detach().contiguous()
     if p.shard.size == 1 or p.shard.dim is None:
-        return [local]
+        return [local], []
     if dist.get_rank(group) != 0:
         dist.send(local, dst=dist.get_global_rank(group, 0), group=group)
-        return None
+        return None, []
     shards = [local] + [torch.empty_like(local) for _ in range(1, p.shard.size)]
-    for i in range(1, p.shard.size):
-        dist.recv(shards[i], src=dist.get_global_rank(group, i), group=group)
-    return shards
+    receives = [dist.irecv(shards[i], src=dist.get_global_rank(group, i), group=group) for i in range(1, p.shard.size)]
+    return shards, receives
+
+
+def _gathered(group_params: list[MappedParam], group) -> Iterator[tuple[MappedParam, list[torch.Tensor] | None]]:
+    """``(param, all its shards or None)`` in order, the next parameter's receives posted before each yield."""
+    pending = None
+    for p in group_params:
+        started = (p, *_start_gather(p, group))
+        if pending is not None:
+            yield _done(*pending)
+        pending = started
+    if pending is not None:
+        yield _done(*pending)
+
+
+def _done(p: MappedParam, shards, receives) -> tuple[MappedParam, list[torch.Tensor] | None]:
+    for r in receives:
+        r.wait()
+    return p, shards
 
 
 def is_dense_writer(topo: Topology) -> bool:
@@ -78,7 +99,6 @@ def iter_hf_tensors(chunks, arch: ModelArch, topo: Topology, only=None) -> Itera
     for group_params, participates, group, writes in passes:
         if not participates:
             continue
-        for p in group_params:
-            shards = _gather(p, group)
+        for p, shards in _gathered(group_params, group):
             if writes:
                 yield from p.transform.to_hf(shards, p.shard.dim, p.hf_names, arch).items()

@@ -95,14 +95,15 @@ def sync_transports(cfg: RunConfig) -> list[str]:
 
 
 def sync_load_format(cfg: RunConfig) -> str:
-    """``rollout.sync.load_format`` resolved. ``auto``: ``per_tensor`` into rlsys's CPU engine, which receives
-    each tensor straight into its parameter (no receive buffer, no copy after; 200M fp32 at TP2 on 2 cores:
-    1.37 GB/s against 1.17 flattened, and 0.5 GiB less on rank 0), ``flattened_bucket`` into SGLang (one
-    broadcast per bucket, SGLang's fastest)."""
+    """``rollout.sync.load_format`` resolved. ``auto``: ``per_bucket`` into rlsys's CPU engine, which receives
+    each tensor of a per-tensor bucket straight into its parameter (no receive buffer, no copy after; 200M fp32
+    at TP2 on 2 cores: 1.37 GB/s against 1.17 flattened, and 0.5 GiB less on rank 0) and a bucket of small
+    tensors in one broadcast (a 4.7M-parameter model's 74 tensors: 35 ms per tensor, 15 ms flattened);
+    ``flattened_bucket`` into SGLang (one broadcast per bucket, SGLang's fastest)."""
     fmt = cfg.rollout.sync.load_format
     if fmt != "auto":
         return fmt
-    return "per_tensor" if cfg.rollout.engine == "cpu" else "flattened_bucket"
+    return "per_bucket" if cfg.rollout.engine == "cpu" else "flattened_bucket"
 
 
 def sync_pause_mode(cfg: RunConfig) -> str:

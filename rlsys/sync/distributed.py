@@ -6,7 +6,8 @@ Per sync, on every trainer rank (a collective over the training world):
 1. ``iter_hf_tensors`` gathers each parameter's TP / expert-TP shards and converts it to HF
    names and layout on the *writer* ranks (one per pipeline stage, one per EP rank; see
    ``rlsys.megatron.export``).
-2. Every writer packs its tensors into buckets of ``sync.bucket_mb`` (``rlsys.sync.buckets``).
+2. Every writer packs its tensors into buckets of ``sync.bucket_mb``, rank 0's first ones smaller so that the
+   first broadcast starts early (``rlsys.sync.buckets.ramp_start``).
 3. Each writer broadcasts its own buckets into its own group with the engines (``sync.senders: writers``,
    the default; ``rlsys.sync.groups``), so that no byte crosses the trainer twice and rank 0 is not the
    funnel of every stage's weights. Rank 0 still orders them: a writer sends each bucket's header (names,
@@ -19,22 +20,17 @@ Per sync, on every trainer rank (a collective over the training world):
    colocated) writers send the bytes to rank 0 instead, as a header and one flat uint8 tensor from a reused
    host buffer, and rank 0 broadcasts each received bucket as it arrived (its tensors are views into the
    received bytes); SGLang then receives from one group, rank 0's.
-4. A background thread on rank 0 broadcasts each bucket while the next one is filled or received:
-   for each engine it fires ``update_weights_from_distributed(names, dtypes, shapes,
-   flush_cache=False, weight_version)`` (the engine blocks until it has received the bucket), then
-   broadcasts, then waits. Each writer's background thread does the same for its own buckets, rank 0
-   making the engine calls.
+4. A background thread on rank 0 broadcasts each bucket while the next one is filled or received: it fires
+   ``update_weights_from_distributed(names, dtypes, shapes, flush_cache=False, weight_version)`` at each
+   engine (which blocks until it has the bucket), broadcasts, then waits; each writer's thread alike.
 
 Memory on rank 0: at most two buckets are alive, one being filled or received and one being broadcast
-(``buckets.Handoff`` bounds and counts them; ``SyncStats.peak_buckets`` is the peak). Rank 0 flattens
-each of its own buckets when it closes it, on the main thread (the broadcast thread is the busier one),
-so a bucket being broadcast is only its flat bytes (``per_tensor``: its tensors). Those live in two
-bucket-sized buffers, one per alive bucket (a buffer is never written while its bucket is broadcast),
-kept between syncs (on GPU, received buckets also pass through two host buffers). On top: the
-exported tensors of the bucket being filled, and, while the main thread waits for a broadcast to
-finish, the one tensor that did not fit into the bucket before. A writer holds at most two buckets
-(one being filled, one being sent) and two bucket buffers on its device (``senders: rank0``: one host
-send buffer).
+(``buckets.Handoff`` bounds and counts them; ``SyncStats.peak_buckets``). Rank 0 flattens each of its own
+buckets that go flat (``buckets.sends_flat``) when it closes it, on the main thread (the broadcast thread is
+the busier one), into one of two bucket-sized buffers kept between syncs, one per alive bucket (on GPU,
+received buckets also pass through two host buffers); on top, the exported tensors of the bucket being
+filled and the one that did not fit into the bucket before. A writer holds at most two buckets and two
+bucket buffers on its device (``senders: rank0``: one host send buffer).
 
 Around the buckets rank 0 pauses generation (``pause_mode``: abort, or in_place/retract for partial rollouts),
 flushes the engines' caches once (not under in_place: parked requests keep theirs) and opens each engine's
@@ -62,21 +58,19 @@ copy of its share, on its device); with ``verify`` and ``senders: rank0`` rank 0
 writers sent, so that it can hash every tensor as the engines now hold it.
 
 With ``verify`` rank 0 also hashes every tensor it buckets or receives (``senders: writers``: each writer
-hashes its own and sends rank 0 the checksums at the end) and, after the sessions closed
-and before continuing generation, compares every engine with those hashes (``rlsys.sync.verify``);
-a mismatch raises ``WeightSyncMismatch`` and leaves the engines paused. With ``weight_dtype="fp8"`` linear
-weights are block-quantized to FP8 by their writer before bucketing (``rlsys.architectures.fp8``; the engines must run
-an FP8 checkpoint). Rank 0 waits at most ``timeout_s`` for each engine call, broadcast and funnel receive
-(a writer's failure reaches it at once); writers wait for rank 0 as long as the funnel group's timeout.
-A group: its sending rank is rank 0, engine ``i``'s TP rank ``t`` is ``1 + sum(tp of broadcast engines before i) + t``.
+hashes its own and sends rank 0 the checksums at the end) and, after the sessions closed and before continuing
+generation, compares every engine with those hashes (``rlsys.sync.verify``); a mismatch raises
+``WeightSyncMismatch`` and leaves the engines paused. With ``weight_dtype="fp8"`` linear weights are
+block-quantized to FP8 by their writer before bucketing (``rlsys.architectures.fp8``; the engines must run an
+FP8 checkpoint). Rank 0 waits at most ``timeout_s`` for each engine call, broadcast and funnel receive (a
+writer's failure reaches it at once); writers wait for rank 0 as long as the funnel group's timeout. A group:
+its sending rank is rank 0, engine ``i``'s TP rank ``t`` is ``1 + sum(tp of broadcast engines before i) + t``.
 
 Transports, one per engine (``transports``; ``rlsys.plan.sync_transports`` picks them): ``broadcast`` joins the
-group above; ``tensor`` (colocated: the engine shares rank 0's node) receives each bucket as SGLang's
-``FlattenedTensorBucket`` payload of ``update_weights_from_tensor``: a CUDA IPC handle on GPU, the
-tensor bytes inline on CPU (``rlsys.sync.colocated`` says why not shared memory).
-NCCL refuses a group with two ranks on one GPU, which is what a broadcast into a colocated engine would be.
-A tensor-transport bucket is flattened into a fresh tensor (SGLang reads it after the call returns on GPU) and
-sent as the same payload to each of the engine's TP ranks.
+group above; ``tensor`` (colocated: the engine shares rank 0's node; NCCL refuses a group with two ranks on
+one GPU) receives each bucket as SGLang's ``FlattenedTensorBucket`` payload of ``update_weights_from_tensor``,
+the same one for each of its TP ranks, flattened into a fresh tensor (SGLang reads it after the call returns):
+a CUDA IPC handle on GPU, the bytes inline on CPU (``rlsys.sync.colocated`` says why not shared memory).
 """
 
 from __future__ import annotations
@@ -97,6 +91,7 @@ from rlsys.local_ranks import node_address
 from rlsys.megatron.export import is_dense_writer, is_expert_writer, iter_hf_tensors
 from rlsys.rollout import protocol
 from rlsys.rollout.protocol import PAUSE_MODES
+from rlsys.sync import buckets as bk
 from rlsys.sync.buckets import Bucket, Bucketer, Handoff, WriterFailed, recv_bucket, send_bucket, send_end
 from rlsys.sync.colocated import serialize_flattened_bucket
 from rlsys.sync.delta import DeltaEncoder, apply_delta
@@ -179,8 +174,8 @@ class DistributedWeightSync(BroadcastGroups):
             raise ValueError(f"rollout.weight_dtype must be 'auto' or 'fp8', got {weight_dtype!r}")
         if senders not in ("writers", "rank0"):
             raise ValueError(f"sync.senders must be 'writers' or 'rank0', got {senders!r}")
-        if load_format not in ("flattened_bucket", "per_tensor"):
-            raise ValueError(f"sync.load_format must be 'flattened_bucket' or 'per_tensor', got {load_format!r}")
+        if load_format not in bk.LOAD_FORMATS:
+            raise ValueError(f"sync.load_format must be one of {bk.LOAD_FORMATS}, got {load_format!r}")
         self.topo, self.arch = topo, arch
         self.engines, self.engine_tp = engines, engine_tp
         self.transports = list(transports) if transports is not None else ["broadcast"] * len(engines)
@@ -421,7 +416,8 @@ class DistributedWeightSync(BroadcastGroups):
             e.continue_generation(timeout_s=self.timeout_s)
 
     def _export(self, chunks, outbox: Handoff) -> None:
-        bucketer = Bucketer(self.bucket_bytes)
+        # only rank 0's first bucket holds up the first broadcast: other writers' fill while rank 0's go out
+        bucketer = Bucketer(self.bucket_bytes, bk.ramp_start(self.bucket_bytes) if self.is_sender else None)
         for name, tensor in iter_hf_tensors(chunks, self.arch, self.topo):
             if self._failure is None:  # after a failure only the gathers go on (see sync)
                 self._add(bucketer, outbox, name, tensor)
@@ -444,7 +440,7 @@ class DistributedWeightSync(BroadcastGroups):
         outbox.begin()
 
     def _hand_over(self, bucket: Bucket, outbox: Handoff) -> None:
-        if (self.direct or self.is_sender and self.broadcast_engines) and self.load_format == "flattened_bucket":
+        if (self.direct or self.is_sender and self.broadcast_engines) and bk.sends_flat(self.load_format, bucket):
             # Flattened here, into the buffer of the bucket's slot, rather than on the broadcast thread: that
             # thread is the busier one, and the exported tensors are freed as soon as they are copied.
             bucket = bucket.aligned()
@@ -524,7 +520,7 @@ class DistributedWeightSync(BroadcastGroups):
             self._failure = e
 
     def _cast(self, bucket: Bucket) -> list:
-        tensors = [bucket.flat] if self.load_format == "flattened_bucket" else bucket.tensors  # flat: see _hand_over
+        tensors = [bucket.flat] if bk.sends_flat(self.load_format, bucket) else bucket.tensors  # flat: see _hand_over
         return [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
 
     def _broadcast(self, item: Bucket | _Remote, slot: int, stats: SyncStats) -> None:
@@ -563,7 +559,7 @@ class DistributedWeightSync(BroadcastGroups):
     def _broadcast_bucket(self, bucket: Bucket, src: int = 0) -> None:
         """``src``: the writer whose group carries the bytes; another writer's (direct) is only announced here,
         that writer broadcasts it (``_cast_own``)."""
-        fmt = "flattened_bucket" if self.load_format == "flattened_bucket" else None
+        fmt = "flattened_bucket" if bk.sends_flat(self.load_format, bucket) else None
         replies = []
         if self.tensor_engines:  # one payload (one flattened copy) for every colocated engine
             payload = serialize_flattened_bucket(Bucket(bucket.names, bucket.tensors, bucket.nbytes))

@@ -37,6 +37,10 @@ def _trainer(hf_dir, layout, urls, engine_tp, opts, out_dir):
     from rlsys.worker.actor import build_policy_worker
     from rlsys.worker.batch import TrainBatch
 
+    if "flat_below" in opts:  # per_bucket's threshold, scaled to the tiny models' tensors
+        from rlsys.sync import buckets
+
+        buckets.FLAT_BELOW_BYTES = opts["flat_below"]
     topo = build_topology(ParallelConfig(**layout), device="cpu")
     worker = build_policy_worker(hf_dir, topo, RoleConfig(), None, trainable=False, temperature=0.8)
     rank0 = dist.get_rank() == 0
@@ -207,6 +211,8 @@ def engine_checksums(url):
     "model_type,layout,opts",
     [
         ("qwen2", {"tp": 2}, {}),  # tied embeddings, vocab padded for TP then trimmed
+        # buckets of norms and biases go flattened, the others tensor by tensor, into the same engine
+        ("qwen2", {"pp": 2}, {"load_format": "per_bucket", "flat_below": 8192, "verify": True}),
         # each stage broadcasts its own buckets; rank 0 verifies with the other writer's checksums
         ("qwen3", {"pp": 2}, {"load_format": "per_tensor", "verify": True}),
         # two writers funnel buckets into one sender, which verifies what it received too
@@ -214,12 +220,16 @@ def engine_checksums(url):
         # experts from both EP ranks, buckets < largest tensor, an engine slower than the export
         ("qwen3_moe", {"ep": 2}, {"bucket_mb": 0.005, "verify": True, "slow_engine_s": 0.02}),
     ],
-    ids=["qwen2-tp2", "qwen3-pp2-per-tensor", "qwen3-pp2-through-rank0", "qwen3_moe-ep2"],
+    ids=["qwen2-tp2", "qwen2-pp2-per-bucket", "qwen3-pp2-per-tensor", "qwen3-pp2-through-rank0", "qwen3_moe-ep2"],
 )
 def test_sync_makes_every_engine_tensor_equal_the_trainers(
     engines, tiny_checkpoints, tmp_path, model_type, layout, opts
 ):
     hf = tiny_checkpoints[model_type]
+    if "flat_below" in opts:  # both kinds of bucket occur
+        shards = [load_file(os.path.join(hf, f)) for f in os.listdir(hf) if f.endswith(".safetensors")]
+        sizes = [t.numel() * t.element_size() for shard in shards for t in shard.values()]
+        assert min(sizes) < opts["flat_below"] < max(sizes)
     urls = [url for _, url in engines(model_type)]
     reports = run_sync(hf, layout, 2, urls, tmp_path, logprobs=True, **opts)
     sender = reports[0]

@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 
-from rlsys.sync.buckets import Bucket, Bucketer, Handoff, unflatten
+from rlsys.sync.buckets import FLAT_BELOW_BYTES, Bucket, Bucketer, Handoff, sends_flat, unflatten
 from rlsys.sync.wire import dtype_name
 
 
@@ -65,6 +65,21 @@ def test_a_received_bucket_is_already_flat_and_aligned():
     assert got.aligned() is got and got.flattened(torch.zeros(100, dtype=torch.uint8)) is flat  # no copy
     assert got.tensors[0].data_ptr() == flat.data_ptr()  # views into the received bytes
     assert got.names == ["f", "h"] and all(torch.equal(x, y) for x, y in zip(got.tensors, sent.tensors))
+
+
+def test_per_bucket_flattens_buckets_of_small_tensors_only():
+    norms = Bucket()
+    for i in range(300):  # 300 norms of a wide model: 1.2 MB in all, 4 KB each
+        norms.add(f"model.layers.{i}.input_layernorm.weight", torch.ones(1024))
+    big = Bucket()
+    big.add("model.embed_tokens.weight", torch.ones(32000, 64))  # 8 MB
+    big.add("model.norm.weight", torch.ones(64))
+    assert sends_flat("per_bucket", norms) and not sends_flat("per_bucket", big)
+    edge = Bucket(["a"], [torch.empty(0)], FLAT_BELOW_BYTES)  # exactly the threshold: per tensor
+    assert not sends_flat("per_bucket", edge)
+    header_only = Bucket(norms.names, [torch.empty(1024, device="meta")] * 300, norms.nbytes)
+    assert sends_flat("per_bucket", header_only)  # a writer's announced bucket: rank 0 decides alike
+    assert all(sends_flat("flattened_bucket", b) and not sends_flat("per_tensor", b) for b in (norms, big))
 
 
 def test_closes_agrees_with_add():
