@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 
-from rlsys.sync.buckets import FLAT_BELOW_BYTES, Bucket, Bucketer, Handoff, sends_flat, unflatten
+from rlsys.sync.buckets import FLAT_BELOW_BYTES, Bucket, Bucketer, Handoff, ramp_start, sends_flat, unflatten
 from rlsys.sync.wire import dtype_name
 
 
@@ -65,6 +65,14 @@ def test_a_received_bucket_is_already_flat_and_aligned():
     assert got.aligned() is got and got.flattened(torch.zeros(100, dtype=torch.uint8)) is flat  # no copy
     assert got.tensors[0].data_ptr() == flat.data_ptr()  # views into the received bytes
     assert got.names == ["f", "h"] and all(torch.equal(x, y) for x, y in zip(got.tensors, sent.tensors))
+
+
+def test_first_buckets_ramp_up_to_the_bucket_size():
+    b = Bucketer(bucket_bytes=800, first_bytes=100)
+    closed = [b.add(f"t{i}", torch.zeros(25)) for i in range(40)]  # 100 bytes each
+    sizes = [c.nbytes for c in closed if c is not None] + [b.flush().nbytes]
+    assert sizes == [100, 200, 400, 800, 800, 800, 800, 100]  # doubling, then capped; the rest at the end
+    assert ramp_start(512 << 20) == 64 << 20 and ramp_start(16 << 20) == 4 << 20 and ramp_start(1 << 20) == 1 << 20
 
 
 def test_per_bucket_flattens_buckets_of_small_tensors_only():
