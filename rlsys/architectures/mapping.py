@@ -32,6 +32,33 @@ class Shard:
     dim: int | None = None
 
 
+def joined(shards: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """The shards of one parameter (in TP rank order) as one tensor along ``dim``, copied only when it must be:
+    one shard is itself, and shards that tile consecutive rows of one buffer (the export gathers dim-0 shards
+    into one, ``rlsys.megatron.export``) are a view of those rows; others are concatenated."""
+    if len(shards) == 1:
+        return shards[0]
+    first = shards[0]
+    if dim == 0 and _tiled(shards):
+        size = (sum(s.shape[0] for s in shards), *first.shape[1:])
+        strides = [1] * len(size)
+        for i in range(len(size) - 2, -1, -1):
+            strides[i] = strides[i + 1] * size[i + 1]
+        return first.as_strided(size, strides, first.storage_offset())
+    return torch.cat(shards, dim=dim)
+
+
+def _tiled(shards: list[torch.Tensor]) -> bool:
+    storage, offset = shards[0].untyped_storage().data_ptr(), shards[0].storage_offset()
+    for s in shards:
+        if not s.is_contiguous() or s.untyped_storage().data_ptr() != storage or s.storage_offset() != offset:
+            return False
+        if s.shape[1:] != shards[0].shape[1:] or s.dtype != shards[0].dtype:
+            return False
+        offset += s.numel()
+    return True
+
+
 def _rows(total: int, shard: Shard) -> tuple[int, int]:
     if total % shard.size:
         raise CheckpointError(f"dimension of size {total} cannot be split evenly over {shard.size} TP ranks")
@@ -57,7 +84,7 @@ class Rename:
         return src.read(name, shard.dim, start, stop)
 
     def to_hf(self, shards, dim, names, arch) -> dict[str, torch.Tensor]:
-        return {names[0]: shards[0] if len(shards) == 1 else torch.cat(shards, dim=dim)}
+        return {names[0]: joined(shards, dim)}
 
 
 @dataclass(frozen=True)
@@ -77,10 +104,13 @@ class GatedMLP:
         return torch.cat([src.read(gate, 0, start, stop), src.read(up, 0, start, stop)], dim=0)
 
     def to_hf(self, shards, dim, names, arch) -> dict[str, torch.Tensor]:
-        halves = [s.chunk(2, dim=0) for s in shards]
+        full = joined(shards, 0)
+        rows = full.shape[0] // 2
+        halves = full.view(len(shards), 2, rows // len(shards), *full.shape[1:])  # [rank, gate/up, rows, ...]
+        # views of the parameter at TP 1; one copy each otherwise (a rank's gate rows sit between its up rows)
         return {
-            names[0]: torch.cat([g for g, _ in halves], dim=0),
-            names[1]: torch.cat([u for _, u in halves], dim=0),
+            names[0]: halves[:, 0].reshape(rows, *full.shape[1:]),
+            names[1]: halves[:, 1].reshape(rows, *full.shape[1:]),
         }
 
 
@@ -116,7 +146,7 @@ class FusedQKV:
         return fused.reshape(groups * (r + 2) * hd, *tail)
 
     def to_hf(self, shards, dim, names, arch) -> dict[str, torch.Tensor]:
-        full = torch.cat(shards, dim=0)
+        full = joined(shards, 0)
         ng, hd = arch.num_kv_heads, arch.head_dim
         r = arch.num_attention_heads // ng
         tail = full.shape[1:]
@@ -152,7 +182,7 @@ class PaddedVocab:
         return out
 
     def to_hf(self, shards, dim, names, arch) -> dict[str, torch.Tensor]:
-        return {names[0]: torch.cat(shards, dim=0)[: arch.vocab_size].contiguous()}
+        return {names[0]: joined(shards, 0)[: arch.vocab_size]}  # rows: contiguous
 
 
 Transform = Rename | GatedMLP | FusedQKV | PaddedVocab

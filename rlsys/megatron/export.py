@@ -36,7 +36,7 @@ def _start_gather(p: MappedParam, group) -> tuple[list[torch.Tensor] | None, lis
     Point-to-point rather than an all-gather: only the writer uses the shards, and gloo's gather collectives
     are several times slower than send/recv for the same bytes. The writer posts a parameter's receives
     before it converts the one before, so the next shards arrive while it converts (gloo matches a pair's
-    messages in order).
+    messages in order). Shards split along dim 0 land in one buffer (``mapping.joined`` hands it on uncopied).
     """
     local = p.tensor.detach().contiguous()
     if p.shard.size == 1 or p.shard.dim is None:
@@ -44,7 +44,12 @@ def _start_gather(p: MappedParam, group) -> tuple[list[torch.Tensor] | None, lis
     if dist.get_rank(group) != 0:
         dist.send(local, dst=dist.get_global_rank(group, 0), group=group)
         return None, []
-    shards = [local] + [torch.empty_like(local) for _ in range(1, p.shard.size)]
+    if p.shard.dim == 0:  # into consecutive rows of one buffer: the full tensor is that buffer, not a copy of it
+        full = local.new_empty((local.shape[0] * p.shard.size, *local.shape[1:]))
+        shards = list(full.chunk(p.shard.size))
+        shards[0].copy_(local)
+    else:
+        shards = [local] + [torch.empty_like(local) for _ in range(1, p.shard.size)]
     receives = [dist.irecv(shards[i], src=dist.get_global_rank(group, i), group=group) for i in range(1, p.shard.size)]
     return shards, receives
 

@@ -7,7 +7,8 @@ Per sync, on every trainer rank (a collective over the training world):
    names and layout on the *writer* ranks (one per pipeline stage, one per EP rank; see
    ``rlsys.megatron.export``).
 2. Every writer packs its tensors into buckets of ``sync.bucket_mb``, rank 0's first ones smaller so that the
-   first broadcast starts early (``rlsys.sync.buckets.ramp_start``).
+   first broadcast starts early (``rlsys.sync.buckets.ramp_start``); under ``per_bucket`` its small tensors
+   into buckets of their own, sent flattened (``buckets.is_small``).
 3. Each writer broadcasts its own buckets into its own group with the engines (``sync.senders: writers``,
    the default; ``rlsys.sync.groups``), so that no byte crosses the trainer twice and rank 0 is not the
    funnel of every stage's weights. Rank 0 still orders them: a writer sends each bucket's header (names,
@@ -29,8 +30,8 @@ Memory on rank 0: at most two buckets are alive, one being filled or received an
 buckets that go flat (``buckets.sends_flat``) when it closes it, on the main thread (the broadcast thread is
 the busier one), into one of two bucket-sized buffers kept between syncs, one per alive bucket (on GPU,
 received buckets also pass through two host buffers); on top, the exported tensors of the bucket being
-filled and the one that did not fit into the bucket before. A writer holds at most two buckets and two
-bucket buffers on its device (``senders: rank0``: one host send buffer).
+filled (``per_bucket``: and of the small tensors' one) and the one that did not fit into the bucket before. A
+writer holds at most two buckets and two bucket buffers on its device (``senders: rank0``: one host buffer).
 
 Around the buckets rank 0 pauses generation (``pause_mode``: abort, or in_place/retract for partial rollouts),
 flushes the engines' caches once (not under in_place: parked requests keep theirs) and opens each engine's
@@ -417,27 +418,28 @@ class DistributedWeightSync(BroadcastGroups):
 
     def _export(self, chunks, outbox: Handoff) -> None:
         # only rank 0's first bucket holds up the first broadcast: other writers' fill while rank 0's go out
-        bucketer = Bucketer(self.bucket_bytes, bk.ramp_start(self.bucket_bytes) if self.is_sender else None)
+        large = Bucketer(self.bucket_bytes, bk.ramp_start(self.bucket_bytes) if self.is_sender else None)
+        # per_bucket: small tensors wait in buckets of their own that go flat, not one broadcast each
+        small = Bucketer(self.bucket_bytes) if self.load_format == "per_bucket" else None
         for name, tensor in iter_hf_tensors(chunks, self.arch, self.topo):
             if self._failure is None:  # after a failure only the gathers go on (see sync)
-                self._add(bucketer, outbox, name, tensor)
-        last = bucketer.flush()
-        if last is not None and self._failure is None:
-            self._hand_over(last, outbox)
+                self._add((large, small), outbox, name, tensor)
+        for last in (large.flush(), small and small.flush()):
+            if last is not None and self._failure is None:
+                self._hand_over(last, outbox)
 
-    def _add(self, bucketer: Bucketer, outbox: Handoff, name: str, tensor: torch.Tensor) -> None:
+    def _add(self, bucketers: tuple, outbox: Handoff, name: str, tensor: torch.Tensor) -> None:
         named = quantize_named_tensors([(name, tensor)]) if self.weight_dtype == "fp8" else [(name, tensor)]
         for n, t in named:
             if self._checks is not None:  # what is sent, after quantization, is what the engine must hold
                 self._checks.add(n, t)
             for sent, value in [(n, t)] if self.delta is None else self.delta.encode(n, t):
-                self._add_one(bucketer, outbox, sent, value)
-
-    def _add_one(self, bucketer: Bucketer, outbox: Handoff, n: str, t: torch.Tensor) -> None:
-        if bucketer.closes(t):
-            self._hand_over(bucketer.flush(), outbox)  # returns once the bucket before it is sent
-        bucketer.add(n, t)
-        outbox.begin()
+                large, small = bucketers
+                bucketer = small if small is not None and bk.is_small(value) else large
+                if bucketer.closes(value):
+                    self._hand_over(bucketer.flush(), outbox)  # returns once the bucket before it is sent
+                bucketer.add(sent, value)
+                outbox.begin()
 
     def _hand_over(self, bucket: Bucket, outbox: Handoff) -> None:
         if (self.direct or self.is_sender and self.broadcast_engines) and bk.sends_flat(self.load_format, bucket):

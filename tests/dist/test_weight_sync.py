@@ -211,7 +211,7 @@ def engine_checksums(url):
     "model_type,layout,opts",
     [
         ("qwen2", {"tp": 2}, {}),  # tied embeddings, vocab padded for TP then trimmed
-        # buckets of norms and biases go flattened, the others tensor by tensor, into the same engine
+        # norms and biases in buckets of their own, flattened; the others tensor by tensor, into the same engine
         ("qwen2", {"pp": 2}, {"load_format": "per_bucket", "flat_below": 8192, "verify": True}),
         # each stage broadcasts its own buckets; rank 0 verifies with the other writer's checksums
         ("qwen3", {"pp": 2}, {"load_format": "per_tensor", "verify": True}),

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rlsys.architectures.hf_config import ModelArch
-from rlsys.architectures.mapping import FusedQKV, GatedMLP, PaddedVocab, Rename, Shard
+from rlsys.architectures.mapping import FusedQKV, GatedMLP, PaddedVocab, Rename, Shard, joined
 from rlsys.errors import CheckpointError
 
 
@@ -69,6 +69,26 @@ def test_gated_mlp_shards_hold_gate_then_up():
     assert [s.squeeze(1).tolist() for s in shards] == [[1, 2, 5, 6], [3, 4, 7, 8]]
     back = t.to_hf(shards, 0, ("g", "u"), arch())
     assert back["g"].squeeze(1).tolist() == [1, 2, 3, 4] and back["u"].squeeze(1).tolist() == [5, 6, 7, 8]
+
+
+def test_gated_mlp_of_one_shard_is_views_of_it():
+    fc1 = torch.arange(8.0).reshape(4, 2)
+    back = GatedMLP("fc1", "g", "u").to_hf([fc1], 0, ("g", "u"), arch())
+    assert torch.equal(back["g"], fc1[:2]) and torch.equal(back["u"], fc1[2:])
+    assert back["g"].data_ptr() == fc1.data_ptr() and back["u"].is_contiguous()
+
+
+def test_joined_hands_on_a_buffer_its_shards_tile_in_order():
+    full = torch.arange(12.0).reshape(6, 2)
+    tiles = list(full.chunk(3))
+    out = joined(tiles, 0)  # the export's gather buffer: a view of it, no copy
+    assert out.data_ptr() == full.data_ptr() and out.is_contiguous() and torch.equal(out, full)
+    assert joined(tiles[1:], 0).data_ptr() == tiles[1].data_ptr()  # consecutive rows of it: a view too
+    for shards in (tiles[::-1], [t.clone() for t in tiles], [full[:2], full[4:]], [full[:2], full[1:3]]):
+        out = joined(shards, 0)  # out of order, separate tensors, gaps, overlaps: concatenated
+        assert out.data_ptr() != full.data_ptr() and torch.equal(out, torch.cat(shards))
+    cols = list(full.chunk(2, dim=1))
+    assert torch.equal(joined(cols, 1), full)
 
 
 def test_padded_vocab_zero_fills_and_trims():
