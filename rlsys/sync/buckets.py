@@ -137,8 +137,8 @@ FLAT_BELOW_BYTES = 1 << 20
 
 def is_small(tensor: torch.Tensor) -> bool:
     """Under ``per_bucket``, a tensor the sender packs with other small ones (each broadcast costs ~0.5 ms over
-    gloo, however small: a 200M model's norms and biases took 50 ms of a 0.31 s sync), so that buckets are
-    either all small (flat) or all large (per tensor)."""
+    gloo, however small: a 200M model's PP2 sync, 0.38 s with its 80 norms and biases each on its own, 0.35 s
+    packed), so that buckets are either all small (flat) or all large (per tensor)."""
     return tensor.numel() * tensor.element_size() < FLAT_BELOW_BYTES
 
 
