@@ -274,7 +274,8 @@ def test_ray_cluster_sbatch_passes_the_driver_status_and_still_stops_ray(stubs):
 
 def test_ray_cluster_sbatch_gives_up_when_nodes_do_not_join(stubs):
     env, log = stubs
-    res = _sbatch(env, CONFIG, "cluster.nodes=2", FAKE_SHAPE="2 8", FAKE_JOIN="1", RAY_WAIT_S="1")
+    # The head's wait has its own RAY_WAIT_S: 1 s was too short for the stubbed head on a loaded CI host.
+    res = _sbatch(env, CONFIG, "cluster.nodes=2", FAKE_SHAPE="2 8", FAKE_JOIN="1", RAY_WAIT_S="5")
     assert res.returncode == 1
     assert "only 1 of 2 Ray node(s) joined" in res.stderr
     assert not any(line.startswith("python") for line in _log(log))
