@@ -106,7 +106,7 @@ class GatedMLP:
     def to_hf(self, shards, dim, names, arch) -> dict[str, torch.Tensor]:
         full = joined(shards, 0)
         rows = full.shape[0] // 2
-        halves = full.view(len(shards), 2, rows // len(shards), *full.shape[1:])  # [rank, gate/up, rows, ...]
+        halves = full.reshape(len(shards), 2, rows // len(shards), *full.shape[1:])  # [rank, gate/up, rows, ...]
         # views of the parameter at TP 1; one copy each otherwise (a rank's gate rows sit between its up rows)
         return {
             names[0]: halves[:, 0].reshape(rows, *full.shape[1:]),

@@ -424,7 +424,7 @@ class DistributedWeightSync(BroadcastGroups):
         for name, tensor in iter_hf_tensors(chunks, self.arch, self.topo):
             if self._failure is None:  # after a failure only the gathers go on (see sync)
                 self._add((large, small), outbox, name, tensor)
-        for last in (large.flush(), small and small.flush()):
+        for last in (large.flush(), small.flush() if small is not None else None):
             if last is not None and self._failure is None:
                 self._hand_over(last, outbox)
 
