@@ -24,6 +24,27 @@ def own_threads(n: int) -> None:
     """Run this thread's torch CPU ops on ``n`` threads, whatever another thread sets later."""
     torch.set_num_threads(n)
     torch.get_num_threads()  # torch's first use in a thread reads the last count any thread set: settle it now
+    if n > 1:
+        _first_vector_math(n)
+
+
+# elements per thread of the warm-up: above the chunk torch's vectorised math splits across threads (5120
+# elements already went to two threads on two), so that every worker of the team gets a share
+_WARM_UP_PER_THREAD = 1 << 15
+
+
+def _first_vector_math(n: int) -> None:
+    """The first vectorised transcendental (exp, cos, ...) that each worker of this thread's new OpenMP team
+    computes, done here on throwaway data rather than in a model's forward. Measured in the CPU engine (torch
+    2.13's MKL, Intel Xeon with AMX, 2 threads): in about one engine in six, the worker's first such call came
+    back with up to 1e-4 relative error in its whole chunk (exp and cos alike), and every later call of any
+    function was exact. In a forward that was the rotary embedding's ``cos`` of a 64-row prefill: rows 32-63
+    (the worker's half) drifted by 3e-5 in their log-probs, the engine no longer matched the trainer, and
+    ``tests/e2e/test_moe_replay.py`` failed one run in five. Not seen outside a busy engine process; one call
+    per worker is enough, so the cost is one 128 KiB ``exp`` and ``cos`` per thread at the start. A workaround, not
+    the cause's fix: a team made later with another thread count is warmed only by calling this again."""
+    x = torch.ones(n * _WARM_UP_PER_THREAD, dtype=torch.float32, device="cpu")
+    x.exp().cos()  # float32 on the CPU: the MKL path the error was seen on (exp, and cos where it hit)
 
 
 def single_threaded() -> None:
