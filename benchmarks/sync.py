@@ -78,9 +78,15 @@ MODELS = {
     ),
 }  # fmt: skip
 COMMON = dict(vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-6)
-# (parallel layout, sync.senders): pp2 has each stage broadcast its own buckets, pp2-rank0 sends stage 1's
-# through rank 0 (the funnel), so the two rows show what the per-stage groups save
-LAYOUTS = {"tp2": ({"tp": 2}, "writers"), "pp2": ({"pp": 2}, "writers"), "pp2-rank0": ({"pp": 2}, "rank0")}
+# (parallel layout, sync.senders, sync.shards): tp2 has each TP rank send its own parts (no gathers), tp2-gather
+# gathers each parameter on one of them first; pp2 has each stage broadcast its own buckets, pp2-rank0 sends stage
+# 1's through rank 0 (the funnel), so the pairs of rows show what TP parts and per-stage groups save
+LAYOUTS = {
+    "tp2": ({"tp": 2}, "writers", "auto"),
+    "tp2-gather": ({"tp": 2}, "writers", "gather"),
+    "pp2": ({"pp": 2}, "writers", "auto"),
+    "pp2-rank0": ({"pp": 2}, "rank0", "auto"),
+}
 ENGINE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 # The CPU engine (like SGLang) skips names containing rotary_emb.inv_freq: the wire test's buckets land nowhere.
 WIRE_NAME = "rlsys_bench.rotary_emb.inv_freq"
@@ -179,6 +185,7 @@ class Probe:
         the funnel receive and the flatten."""
         import rlsys.megatron.export as export
         import rlsys.sync.distributed as sd
+        import rlsys.sync.turns as turns
         from rlsys.sync.buckets import Bucket
 
         probe = self
@@ -209,7 +216,7 @@ class Probe:
         export._start_gather = self.timed("gather", export._start_gather)
         export._done = self.timed("gather", export._done)
         sd.dist = TimedDist(sd.dist)
-        sd.recv_bucket = self.timed("funnel_recv", sd.recv_bucket)
+        turns.recv_bucket = self.timed("funnel_recv", turns.recv_bucket)
         Bucket.flattened = self.timed("flatten", Bucket.flattened)  # in _hand_over, on the main thread
 
     def attach(self, sync) -> None:
@@ -306,7 +313,9 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def _trainer(hf_dir: str, layout: dict, senders: str, url: str, dtype: str, args, work_dir: str, out_path: str) -> None:
+def _trainer(
+    hf_dir: str, layout: dict, senders: str, shards: str, url: str, dtype: str, args, work_dir: str, out_path: str
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -348,6 +357,7 @@ def _trainer(hf_dir: str, layout: dict, senders: str, url: str, dtype: str, args
             timeout_s=args.timeout,
             group_name=f"rlsys_bench_{bucket_mb:g}",
             senders=senders,
+            shards=shards,
         )
         if rank0:
             probe.attach(sync)
@@ -548,7 +558,7 @@ def print_tables(rows: list[dict]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="50m,200m,1b", help=f"comma list of {', '.join(MODELS)}")
-    parser.add_argument("--layouts", default="tp2,pp2,pp2-rank0", help=f"comma list of {', '.join(LAYOUTS)}")
+    parser.add_argument("--layouts", default="tp2,tp2-gather,pp2,pp2-rank0", help=f"comma list of {', '.join(LAYOUTS)}")
     parser.add_argument("--bucket-mb", default="512", help="sync.bucket_mb; a comma list runs each")
     parser.add_argument(
         "--load-format",

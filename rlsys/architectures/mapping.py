@@ -7,7 +7,9 @@ transform knows both directions:
 * ``load_shard``: build one TP rank's shard of the Megatron parameter by
   reading only that rank's rows/columns of the HF tensors;
 * ``to_hf``: merge the TP shards of a Megatron parameter (in rank order) into
-  full HF tensors (used by export and weight sync).
+  full HF tensors (used by export and weight sync);
+* ``to_hf_parts``: one TP rank's shard as slices of the HF tensors (``Part``), for
+  a weight sync in which no rank gathers (``rlsys.sync.parts``).
 
 Names use ``{E}`` for an expert id: the local expert index on the Megatron
 side is mapped to the global id before the table is consulted.
@@ -59,6 +61,23 @@ def _tiled(shards: list[torch.Tensor]) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class Part:
+    """Slice ``start .. start + tensor.shape[dim]`` along ``dim`` of the HF tensor ``name``, whose size along
+    ``dim`` is ``total``."""
+
+    name: str
+    dim: int
+    start: int
+    total: int
+    tensor: torch.Tensor
+
+
+def _part(name: str, dim: int, tensor: torch.Tensor, shard: Shard) -> Part:
+    size = tensor.shape[dim]
+    return Part(name, dim, shard.rank * size, shard.size * size, tensor)
+
+
 def _rows(total: int, shard: Shard) -> tuple[int, int]:
     if total % shard.size:
         raise CheckpointError(f"dimension of size {total} cannot be split evenly over {shard.size} TP ranks")
@@ -86,6 +105,9 @@ class Rename:
     def to_hf(self, shards, dim, names, arch) -> dict[str, torch.Tensor]:
         return {names[0]: joined(shards, dim)}
 
+    def to_hf_parts(self, local, shard: Shard, names, arch) -> list[Part]:
+        return [_part(names[0], shard.dim, local, shard)]
+
 
 @dataclass(frozen=True)
 class GatedMLP:
@@ -112,6 +134,10 @@ class GatedMLP:
             names[0]: halves[:, 0].reshape(rows, *full.shape[1:]),
             names[1]: halves[:, 1].reshape(rows, *full.shape[1:]),
         }
+
+    def to_hf_parts(self, local, shard: Shard, names, arch) -> list[Part]:
+        gate, up = local.chunk(2)  # views: a rank's gate rows, then its up rows
+        return [_part(names[0], 0, gate, shard), _part(names[1], 0, up, shard)]
 
 
 @dataclass(frozen=True)
@@ -145,10 +171,12 @@ class FusedQKV:
         )
         return fused.reshape(groups * (r + 2) * hd, *tail)
 
-    def to_hf(self, shards, dim, names, arch) -> dict[str, torch.Tensor]:
+    def to_hf(self, shards, dim, names, arch, groups: int | None = None) -> dict[str, torch.Tensor]:
+        """``groups``: how many KV groups ``shards`` hold (all of them by default; a TP rank's share of them when
+        ``to_hf_parts`` converts one shard)."""
         full = joined(shards, 0)
-        ng, hd = arch.num_kv_heads, arch.head_dim
-        r = arch.num_attention_heads // ng
+        ng, hd = groups or arch.num_kv_heads, arch.head_dim
+        r = arch.num_attention_heads // arch.num_kv_heads
         tail = full.shape[1:]
         grouped = full.reshape(ng, (r + 2) * hd, *tail)
         q, k, v = grouped.split([r * hd, hd, hd], dim=1)
@@ -157,6 +185,10 @@ class FusedQKV:
             names[1]: k.reshape(ng * hd, *tail).contiguous(),
             names[2]: v.reshape(ng * hd, *tail).contiguous(),
         }
+
+    def to_hf_parts(self, local, shard: Shard, names, arch) -> list[Part]:
+        mine = self.to_hf([local], 0, names, arch, groups=arch.num_kv_heads // shard.size)  # its own KV groups
+        return [_part(n, 0, mine[n], shard) for n in names]
 
 
 @dataclass(frozen=True)
@@ -183,6 +215,12 @@ class PaddedVocab:
 
     def to_hf(self, shards, dim, names, arch) -> dict[str, torch.Tensor]:
         return {names[0]: joined(shards, 0)[: arch.vocab_size]}  # rows: contiguous
+
+    def to_hf_parts(self, local, shard: Shard, names, arch) -> list[Part]:
+        """Only the real vocab rows: a rank holding padding alone sends nothing."""
+        start = shard.rank * local.shape[0]
+        rows = min(local.shape[0], arch.vocab_size - start)
+        return [Part(names[0], 0, start, arch.vocab_size, local[:rows])] if rows > 0 else []
 
 
 Transform = Rename | GatedMLP | FusedQKV | PaddedVocab

@@ -160,6 +160,13 @@ def _check_rollout(r: RolloutConfig) -> None:
     _need(s.top_k == -1 or s.top_k >= 1, "rollout.sampling.top_k", s.top_k, "must be -1 (off) or >= 1")
     _need(r.sync.bucket_mb > 0, "rollout.sync.bucket_mb", r.sync.bucket_mb, "must be > 0")
     _need(r.sync.timeout_s > 0, "rollout.sync.timeout_s", r.sync.timeout_s, "must be > 0")
+    if r.sync.shards == "parts":  # each TP rank broadcasts its own slices: into its own group, of unquantized tensors
+        _need(r.sync.senders == "writers", "rollout.sync.shards", "parts", "needs rollout.sync.senders: writers")
+        _need(r.weight_dtype != "fp8", "rollout.sync.shards", "parts", "FP8 blocks need whole tensors: use gather")
+    for key in sorted(set(r.sglang_env) & {"MASTER_ADDR", "MASTER_PORT"}):  # see rlsys.rollout.sglang_env
+        _need(False, f"rollout.sglang_env.{key}", r.sglang_env[key],
+              "rlsys sets it per server (SGLang's CPU backend names the /dev/shm segments rlsys removes after it); "
+              "remove the key")  # fmt: skip
     m = r.multi_turn
     if m.env or m.agent:
         _need(not (m.env and m.agent), "rollout.multi_turn.agent", m.agent, "set either env or agent, not both")

@@ -124,7 +124,7 @@ class SyncConfig:
     timeout_s: float = 300.0  # bound on every HTTP call and collective of a sync
     verify: bool = False  # after each sync compare per-tensor checksums of every engine with the trainer's
     # after a full sync, send only the elements that changed (rlsys.sync.delta; into SGLang through rlsys's
-    # loader in its process, rlsys.rollout.in_sglang.delta_loader)
+    # loader in its process, rlsys.rollout.in_sglang.loader)
     delta: bool = False
     # what happens to requests still generating when a sync pauses the engines: abort (they end, finish_reason
     # "abort"), retract (parked, their KV cache recomputed on the new weights when they continue: partial
@@ -134,6 +134,10 @@ class SyncConfig:
     # writers: every pipeline stage / EP rank that exports weights broadcasts its own buckets into the engines
     # over its own group (rank 0 announces each one); rank0: they all go through trainer rank 0 first
     senders: Literal["writers", "rank0"] = "writers"
+    # TP-split parameters: parts: every TP rank sends its own slices of them (rlsys.sync.parts) and the engines put
+    # the slices together (rlsys's CPU engine itself, SGLang through rlsys's loader in its process), so no trainer
+    # rank gathers; gather: their TP ranks gather them first; auto: parts where every engine takes them, else gather
+    shards: Literal["auto", "parts", "gather"] = "auto"
 
 
 @dataclass

@@ -9,9 +9,17 @@ Who writes what (no tensor crosses a pipeline stage or an expert-parallel
 rank; each stage exports its own layers):
 
 * dense parameters: the rank with TP rank 0 and DP rank 0 of each stage, after
-  an all-gather over its TP group;
+  its TP peers sent it their shards;
 * expert parameters: the rank with expert-TP rank 0 and expert-DP rank 0 of
-  each (stage, EP rank), after an all-gather over its expert-TP group.
+  each (stage, EP rank), after its expert-TP peers sent theirs.
+
+With ``spread`` (a weight sync whose every writer broadcasts into the engines itself) each parameter's
+writer is instead one of its (expert-)TP group, the least loaded so far by bytes (``owners``): every TP rank
+receives and sends its share, instead of TP rank 0 receiving (tp-1)/tp of each tensor and sending all of it
+(over gloo only: see ``_spreads``).
+With ``parts`` (engines that put TP slices together, ``rlsys.sync.parts``) nothing is gathered: every TP rank
+yields its own shard of each TP-split parameter as slices of the HF tensors, and replicated parameters (norms)
+are spread as above.
 
 Data-parallel replicas other than the writer's skip the work entirely.
 """
@@ -29,9 +37,30 @@ from rlsys.megatron.params import MappedParam, iter_mapped_params
 from rlsys.megatron.topology import Topology
 
 
-def _start_gather(p: MappedParam, group) -> tuple[list[torch.Tensor] | None, list]:
-    """Start collecting all shards of ``p`` on the group's rank 0 (the writer): ``(shards, receives)`` there,
-    the shards complete once the receives are done; ``(None, [])`` elsewhere, after sending this rank's shard.
+def _sharded(p: MappedParam) -> bool:
+    return p.shard.size > 1 and p.shard.dim is not None
+
+
+def owners(params: list[MappedParam], size: int, spread: bool, parts: bool = False) -> list[int]:
+    """The group rank that writes each parameter: 0, or with ``spread`` the least loaded so far by full bytes
+    (the same answer on every rank: the group's ranks walk the same parameters with the same shapes). With
+    ``parts`` every rank writes its slice of a TP-split parameter (owner -1) and the others are spread."""
+    if not spread or size == 1:
+        return [0] * len(params)
+    load, out = [0] * size, []
+    for p in params:
+        if parts and _sharded(p):
+            out.append(-1)
+            continue
+        owner = min(range(size), key=load.__getitem__)
+        load[owner] += p.tensor.numel() * p.tensor.element_size() * p.shard.size
+        out.append(owner)
+    return out
+
+
+def _start_gather(p: MappedParam, group, owner: int, tag: int = 0) -> tuple[list[torch.Tensor], list]:
+    """On ``p``'s writer (group rank ``owner``): start collecting its shards, ``(shards, receives)``, the
+    shards complete once the receives are done.
 
     Point-to-point rather than an all-gather: only the writer uses the shards, and gloo's gather collectives
     are several times slower than send/recv for the same bytes. The writer posts a parameter's receives
@@ -39,26 +68,61 @@ def _start_gather(p: MappedParam, group) -> tuple[list[torch.Tensor] | None, lis
     messages in order). Shards split along dim 0 land in one buffer (``mapping.joined`` hands it on uncopied).
     """
     local = p.tensor.detach().contiguous()
-    if p.shard.size == 1 or p.shard.dim is None:
+    if not _sharded(p):
         return [local], []
-    if dist.get_rank(group) != 0:
-        dist.send(local, dst=dist.get_global_rank(group, 0), group=group)
-        return None, []
     if p.shard.dim == 0:  # into consecutive rows of one buffer: the full tensor is that buffer, not a copy of it
         full = local.new_empty((local.shape[0] * p.shard.size, *local.shape[1:]))
         shards = list(full.chunk(p.shard.size))
-        shards[0].copy_(local)
+        shards[owner].copy_(local)
     else:
-        shards = [local] + [torch.empty_like(local) for _ in range(1, p.shard.size)]
-    receives = [dist.irecv(shards[i], src=dist.get_global_rank(group, i), group=group) for i in range(1, p.shard.size)]
+        shards = [local if i == owner else torch.empty_like(local) for i in range(p.shard.size)]
+    peers = [i for i in range(p.shard.size) if i != owner]
+    receives = [dist.irecv(shards[i], src=dist.get_global_rank(group, i), group=group, tag=tag) for i in peers]
     return shards, receives
 
 
-def _gathered(group_params: list[MappedParam], group) -> Iterator[tuple[MappedParam, list[torch.Tensor] | None]]:
-    """``(param, all its shards or None)`` in order, the next parameter's receives posted before each yield."""
+def _spreads(group, spread: bool, parts) -> bool:
+    """Whether this group's writers share the parameters. Gathered, only over gloo, whose sends progress in the
+    background: every rank posts all it owes before it receives (``iter_hf_tensors``). NCCL runs a pair's sends and
+    receives in order on one stream, so a rank that sent before it received would wait for itself; there TP rank
+    0 receives everything, in the order its peers send it."""
+    if parts is not None:
+        return True
+    return spread and dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"
+
+
+def _send_shards(group_params: list[MappedParam], group, owner_of: list[int], tag: int = 0) -> list:
+    """This rank's shards of the parameters others write, all at once (they are the parameters themselves,
+    nothing is copied)."""
+    me = dist.get_rank(group)
+    return [
+        dist.isend(p.tensor.detach().contiguous(), dst=dist.get_global_rank(group, o), group=group, tag=tag)
+        for p, o in zip(group_params, owner_of)
+        if o not in (me, -1) and _sharded(p)
+    ]
+
+
+def _own_parts(group_params: list[MappedParam], group, owner_of: list[int], arch: ModelArch, name):
+    """This rank's slices of every TP-split parameter (``owners`` -1) and the replicated ones it owns, whole."""
+    me = dist.get_rank(group)
+    for p, owner in zip(group_params, owner_of):
+        local = p.tensor.detach()
+        if owner == -1:
+            for part in p.transform.to_hf_parts(local, p.shard, p.hf_names, arch):
+                yield name(part), part.tensor
+        elif owner == me:
+            yield from p.transform.to_hf([local], p.shard.dim, p.hf_names, arch).items()
+
+
+def _gathered(group_params: list[MappedParam], group, owner_of: list[int], tag: int = 0):
+    """``(param, all its shards)`` for the parameters this rank writes, in order, the next one's receives
+    posted before each yield."""
+    me = dist.get_rank(group)
     pending = None
-    for p in group_params:
-        started = (p, *_start_gather(p, group))
+    for p, owner in zip(group_params, owner_of):
+        if owner != me:
+            continue
+        started = (p, *_start_gather(p, group, owner, tag))
         if pending is not None:
             yield _done(*pending)
         pending = started
@@ -66,23 +130,46 @@ def _gathered(group_params: list[MappedParam], group) -> Iterator[tuple[MappedPa
         yield _done(*pending)
 
 
-def _done(p: MappedParam, shards, receives) -> tuple[MappedParam, list[torch.Tensor] | None]:
+def _done(p: MappedParam, shards, receives) -> tuple[MappedParam, list[torch.Tensor]]:
     for r in receives:
         r.wait()
     return p, shards
 
 
-def is_dense_writer(topo: Topology) -> bool:
-    return topo.tp_rank == 0 and topo.dp_rank == 0 and topo.cp_rank == 0
+def is_dense_writer(topo: Topology, spread: bool = False) -> bool:
+    return (spread or topo.tp_rank == 0) and topo.dp_rank == 0 and topo.cp_rank == 0
 
 
-def is_expert_writer(topo: Topology) -> bool:
-    return topo.etp_rank == 0 and topo.edp_rank == 0
+def is_expert_writer(topo: Topology, spread: bool = False) -> bool:
+    return (spread or topo.etp_rank == 0) and topo.edp_rank == 0
 
 
 @torch.no_grad()
-def iter_hf_tensors(chunks, arch: ModelArch, topo: Topology, only=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full_tensor)`` on writer ranks; other ranks yield nothing but must iterate too.
+def iter_hf_tensors(
+    chunks,
+    arch: ModelArch,
+    topo: Topology,
+    only=None,
+    spread: bool = False,
+    sends: list | None = None,
+    parts=None,
+    tag: int = 0,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` on writer ranks, each its own parameters' (``spread``: see the module
+    docstring); other ranks yield nothing but must iterate too.
+
+    Every shard this rank owes another writer goes out before the first yield, for both passes: a writer that
+    stops iterating for a while (its weight sync waits for its turn to broadcast) then never holds up the
+    receives of another (with spread, each TP rank is both). Those sends are waited for at the end, or, given
+    ``sends``, left there for the caller, who waits for them once the peers may be receiving (a weight sync's
+    writers: after their own turn).
+
+    ``parts(Part) -> name`` (implies ``spread``): instead of gathering TP-split parameters, yield this rank's
+    slices of them under the names it gives (``rlsys.sync.parts.part_name``).
+
+    ``tag``: of the gathers' messages (gloo matches a receive only with a send of its tag): a weight sync gives each
+    sync its own, so that a shard sent in a sync that failed before its receiver took it is never taken for
+    another parameter's in the next.
 
     ``only(local_name)`` restricts the export to some parameters (the same on every rank of a group).
     """
@@ -93,17 +180,23 @@ def iter_hf_tensors(chunks, arch: ModelArch, topo: Topology, only=None) -> Itera
     # Dense first, then experts: the two passes use different groups, and every member
     # of a group walks the same parameters in the same order.
     passes = (
-        (
-            [p for p in params if not p.is_expert],
-            topo.dp_rank == 0 and topo.cp_rank == 0,
-            topo.pg.tp,
-            is_dense_writer(topo),
-        ),
-        ([p for p in params if p.is_expert], topo.edp_rank == 0, topo.pg.expt_tp, is_expert_writer(topo)),
+        ([p for p in params if not p.is_expert], topo.dp_rank == 0 and topo.cp_rank == 0, topo.pg.tp),
+        ([p for p in params if p.is_expert], topo.edp_rank == 0, topo.pg.expt_tp),
     )
-    for group_params, participates, group, writes in passes:
-        if not participates:
+    plans = [
+        (ps, group, owners(ps, dist.get_world_size(group), _spreads(group, spread, parts), parts is not None))
+        for ps, joins, group in passes
+        if joins
+    ]
+    outgoing = [s for ps, group, owner_of in plans for s in _send_shards(ps, group, owner_of, tag)]
+    for group_params, group, owner_of in plans:
+        if parts is not None:
+            yield from _own_parts(group_params, group, owner_of, arch, parts)
             continue
-        for p, shards in _gathered(group_params, group):
-            if writes:
-                yield from p.transform.to_hf(shards, p.shard.dim, p.hf_names, arch).items()
+        for p, shards in _gathered(group_params, group, owner_of, tag):
+            yield from p.transform.to_hf(shards, p.shard.dim, p.hf_names, arch).items()
+    if sends is not None:
+        sends.extend(outgoing)
+        return
+    for s in outgoing:
+        s.wait()

@@ -10,7 +10,8 @@ the device and take turns (``rlsys.controller.colocation``), so the peak is the 
   engines keep: their residue when they release memory (``rollout.release_memory``), all of
   ``mem_fraction`` when they do not;
 - **sync**: the actor's weights (a sync onloads no optimizer state), rank 0's two bucket buffers, and
-  the engines' weights taken back plus one received bucket; their KV cache comes back after.
+  the engines' weights taken back plus one received bucket (on an engine's own device, and with TP parts, one
+  more for the tensors whose parts are still arriving); their KV cache comes back after.
 
 Disaggregated, trainer devices see the training phase and engine devices rollout and sync. Every phase
 adds ``OVERHEAD_GIB`` (CUDA context, NCCL buffers; an engine alone on its device adds
@@ -125,7 +126,12 @@ def phases(cfg: RunConfig, plan, arch) -> list[Phase]:
     if engines:  # an engine's own device: mem_fraction is a share of it, the process adds its context
         context = ENGINE_RESIDUE_GIB * GIB
         out.append(Phase("rollout", {"engine": engine_all, "engine context": context}))
-        out.append(Phase("sync", {"engine": engine_all, "receive bucket": bucket, "engine context": context}))
+        # TP parts (rlsys.sync.parts): SGLang's side of rlsys's loader holds tensors whose last part has not come
+        # yet, about one bucket's worth (the trainer alternates its TP ranks' buckets)
+        parts = bucket if cfg.rollout.engine == "sglang" and cfg.rollout.sync.shards != "gather" else 0.0
+        sync = {"engine": engine_all, "receive bucket": bucket, "engine context": context}
+        split = cfg.actor.parallel.tp > 1 or (cfg.actor.parallel.etp or 1) > 1
+        out.append(Phase("sync", {**sync, "TP parts": parts if split else 0.0}))
     return out
 
 

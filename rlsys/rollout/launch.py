@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import os
-import platform
 import secrets
 import subprocess
 import sys
@@ -30,12 +28,19 @@ import urllib.request
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from rlsys.errors import ConfigError
-from rlsys.local_ranks import cpu_flags, free_port, node_address
+from rlsys.local_ranks import free_port, node_address
 from rlsys.rollout.pool import EnginePool
 from rlsys.rollout.process import ServerProcess
-from rlsys.rollout.protocol import CUSTOM_LOADER_FLAG, DELTA_LOADER
 from rlsys.rollout.remote import RemoteServer
+from rlsys.rollout.sglang_env import (
+    attention_head_dims,
+    core_binding,
+    cpu_attention_backend,
+    loader_args,
+    loader_path,
+    sglang_cpu_env,
+    sglang_cpu_leftovers,
+)
 
 if TYPE_CHECKING:
     from rlsys.config import RolloutConfig
@@ -49,44 +54,7 @@ CPU_MAX_TOTAL_TOKENS = 16384
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-# ------------------------------------------------------------ SGLang on the CPU
-
-
-def cpu_attention_backend(flags: set[str] | None = None, head_dims: Sequence[int] = ()) -> str:
-    """SGLang's attention backend for this CPU: ``intel_amx`` with AMX-BF16 (its fast path: AMX-packed
-    linear weights), ``torch_native`` with AVX-512 + AVX512-BF16 but no AMX (measured on an AMD EPYC: serves
-    and syncs weights). The sgl-kernel CPU build needs at least AVX-512 with BF16. ``head_dims``: the model's
-    query/key and value head sizes; intel_amx's attention kernels take only multiples of 32 (sgl-kernel
-    refuses ``invalid head_size 16`` at the first prefill), so other models get torch_native on AMX too."""
-    flags = cpu_flags() if flags is None else flags
-    if {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"} <= flags and all(d % 32 == 0 for d in head_dims):
-        return "intel_amx"
-    if {"avx512f", "avx512_bf16"} <= flags:
-        return "torch_native"
-    missing = sorted({"avx512f", "avx512_bf16"} - flags)
-    raise ConfigError(
-        "rollout.engine",
-        f"'sglang' on cluster.device 'cpu' needs a CPU with AVX-512 and AVX512-BF16 (SGLang's CPU kernels); this one "
-        f"lacks {', '.join(missing)}: use rollout.engine: cpu (rlsys's CPU engine), or attach to a running server "
-        "with rollout.urls",
-    )
-
-
-def core_binding(engine: int, num_engines: int, tp: int, cores: Sequence[int]) -> str:
-    """``SGLANG_CPU_OMP_THREADS_BIND`` of ``engine``: each of its TP ranks a contiguous share of ``cores``
-    (``"0-3|4-7"``), disjoint from every other engine's ranks on the node; with fewer cores than ranks they
-    share cores round robin. The trainer ranks need no cores of their own: on CPU the loop alternates, so
-    engines compute only while the trainer waits for their samples."""
-    cores, ranks = sorted(cores), num_engines * tp
-    if not cores:
-        raise ValueError("no cores to bind the engine to")
-    per = len(cores) // ranks
-    spans = []
-    for t in range(tp):
-        g = engine * tp + t
-        mine = cores[g * per : (g + 1) * per] if per else [cores[g % len(cores)]]
-        spans.append(_span(mine))
-    return "|".join(spans)
+# ------------------------------------------------------------ rlsys's CPU engine
 
 
 def engine_threads(cores: int, engines_here: int, overlap: bool) -> int:
@@ -96,66 +64,6 @@ def engine_threads(cores: int, engines_here: int, overlap: bool) -> int:
     at the same time) half of that share, so that the two do not fight over the same cores."""
     share = max(1, cores // max(engines_here, 1))
     return max(1, share // 2) if overlap else share
-
-
-def attention_head_dims(model_path: str) -> tuple[int, ...]:
-    """The query/key and value head sizes of the HF checkpoint at ``model_path`` (none if it cannot be read:
-    SGLang then says what is wrong with it)."""
-    from rlsys.architectures.hf_config import read_arch
-
-    try:
-        arch = read_arch(str(model_path))
-    except Exception:  # a missing or unsupported config: the backend is chosen from the CPU alone
-        return ()
-    return (arch.head_dim, arch.v_head_dim) if arch.v_head_dim else (arch.head_dim,)
-
-
-def _span(cores: list[int]) -> str:
-    if cores == list(range(cores[0], cores[-1] + 1)):
-        return str(cores[0]) if len(cores) == 1 else f"{cores[0]}-{cores[-1]}"
-    return ",".join(map(str, cores))
-
-
-def sglang_cpu_env(python: str, binding: str) -> dict[str, str]:
-    """The environment of a CPU SGLang server (see ``shared/sglang-cpu/README.md``): its engine switch, the
-    core binding, and Intel OpenMP plus the two allocators preloaded where they are installed."""
-    arch = platform.machine()
-    candidates = [
-        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(python))), "lib", "libiomp5.so"),
-        f"/usr/lib/{arch}-linux-gnu/libtcmalloc.so.4",
-        f"/usr/lib/{arch}-linux-gnu/libtbbmalloc.so.2",
-    ]
-    env = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_CPU_OMP_THREADS_BIND": binding}
-    preload = [p for p in candidates if os.path.exists(p)]
-    if preload:
-        env["LD_PRELOAD"] = ":".join(preload)
-    return env
-
-
-def delta_loader_args(extra: list[str]) -> list[str]:
-    """SGLang flags ``extra`` with rlsys's delta loader among the custom weight loaders (``rollout.sync.delta``)."""
-    if DELTA_LOADER in extra:
-        return list(extra)
-    if CUSTOM_LOADER_FLAG in extra:  # the user's own loaders stay; nargs="*" takes every value up to the next flag
-        at = extra.index(CUSTOM_LOADER_FLAG) + 1
-        return [*extra[:at], DELTA_LOADER, *extra[at:]]
-    return [*extra, CUSTOM_LOADER_FLAG, DELTA_LOADER]
-
-
-def delta_loader_path(existing: str | None = None) -> str:
-    """A ``PYTHONPATH`` under which SGLang imports rlsys's delta loader: a folder holding only a link to the
-    ``rlsys`` package (the repository root would also put its ``tests``, ``tools`` and ``benchmarks`` ahead of
-    SGLang's own modules)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    tag = hashlib.sha256(package.encode()).hexdigest()[:12]
-    folder = os.path.join(tempfile.gettempdir(), f"rlsys-sglang-path-{tag}")
-    link = os.path.join(folder, "rlsys")
-    if os.path.realpath(link) != package:
-        os.makedirs(folder, exist_ok=True)
-        tmp = f"{link}.{os.getpid()}"
-        os.symlink(package, tmp)
-        os.replace(tmp, link)  # atomic: engines starting side by side never see a half-made link
-    return folder if not existing else f"{folder}{os.pathsep}{existing}"
 
 
 # ------------------------------------------------------------ command lines
@@ -226,16 +134,16 @@ def local_cpu_sglang(
     seed: int = 0,
     extra_args: Sequence[str] = (),
     skip_tokenizer_init: bool = False,
-    delta: bool = False,
+    loader: bool = True,
 ) -> ServerProcess:
     """Engine ``index`` of ``engines`` on SGLang's CPU backend on this machine (not started): bf16, its own
-    cores, the environment it needs (``delta``: and rlsys's delta loader, ``rlsys.rollout.in_sglang``). For
-    tests and benchmarks; a run's engines come from ``start_engines``."""
+    cores, the environment it needs (``loader``: and rlsys's loader, ``rlsys.rollout.in_sglang``, which delta
+    syncs and TP parts need). For tests and benchmarks; a run's engines come from ``start_engines``."""
     port = free_port()
     binding = core_binding(index, engines, tp, sorted(os.sched_getaffinity(0)))
-    env = sglang_cpu_env(python, binding)
-    if delta:
-        extra_args, env["PYTHONPATH"] = delta_loader_args(list(extra_args)), delta_loader_path()
+    env = sglang_cpu_env(python, binding, port)
+    if loader:
+        extra_args, env["PYTHONPATH"] = loader_args(list(extra_args)), loader_path()
     cmd = sglang_command(
         model,
         tp,
@@ -249,7 +157,8 @@ def local_cpu_sglang(
         cpu_env=env,
         skip_tokenizer_init=skip_tokenizer_init,
     )
-    return ServerProcess(cmd, f"http://127.0.0.1:{port}", log_file=log_file, name=f"sglang[{index}]", stop_grace_s=5)
+    url, leftovers = f"http://127.0.0.1:{port}", sglang_cpu_leftovers(port)
+    return ServerProcess(cmd, url, log_file=log_file, name=f"sglang[{index}]", stop_grace_s=5, leftovers=leftovers)
 
 
 def launch_cpu_engine(
@@ -418,9 +327,11 @@ def _engine_command(
     env, extra = dict(cfg.sglang_env), [*routed_flag, *cfg.sglang_args]
     if device == "cpu":
         binding = core_binding(local, count, cfg.tp, sorted(os.sched_getaffinity(0)))
-        env = {**sglang_cpu_env(cfg.sglang_python, binding), **env}
-    if cfg.sync.delta:  # deltas become whole tensors in SGLang's process, through rlsys's loader there
-        extra, env["PYTHONPATH"] = delta_loader_args(extra), delta_loader_path(env.get("PYTHONPATH"))
+        env = {**sglang_cpu_env(cfg.sglang_python, binding, port), **env}
+    # rlsys's loader in SGLang's process: TP parts and deltas become whole tensors there, and on CPU it mends the
+    # biases SGLang's AMX re-packing leaves without their loaders (rlsys.rollout.in_sglang.loader)
+    if cfg.sync.delta or cfg.sync.shards != "gather" or device == "cpu":
+        extra, env["PYTHONPATH"] = loader_args(extra), loader_path(env.get("PYTHONPATH"))
     return sglang_command(
         model_dir,
         cfg.tp,
@@ -471,6 +382,7 @@ def start_engines(
     dtype = engine_dtype(cfg, model_dtype, device)
     api_key = cfg.api_key or secrets.token_hex(16)
     kind = "sglang" if cfg.engine == "sglang" else "cpu_engine"
+    leftovers = sglang_cpu_leftovers if kind == "sglang" and device == "cpu" else None
     build = functools.partial(
         _engine_command,
         memory_saver,
@@ -490,11 +402,14 @@ def start_engines(
             if placement is not None:
                 gpu = placement.gpu_id(placement.engine_devices(i)[0]) or 0
                 command = functools.partial(_placed_command, build, i, gpu, _on_node(placement, i, cfg.num_engines))
-                servers.append(RemoteServer(command, options=placement.engine_options(i), log_file=log, name=name))
+                options = placement.engine_options(i)
+                servers.append(RemoteServer(command, options=options, log_file=log, name=name, leftovers=leftovers))
             else:
                 port = free_port("127.0.0.1")
                 command = build(i, base_gpu_id=i * cfg.tp, port=port)
-                servers.append(ServerProcess(command, f"http://127.0.0.1:{port}", log_file=log, name=name))
+                left = leftovers(port) if leftovers else ()
+                url = f"http://127.0.0.1:{port}"
+                servers.append(ServerProcess(command, url, log_file=log, name=name, leftovers=left))
         urls = [s.url for s in servers]  # placed: waits for the hosts, which start in parallel
     except BaseException:
         for s in servers:

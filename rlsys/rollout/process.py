@@ -12,6 +12,8 @@ the server, in particular when the server itself was SIGKILLed and could not cle
 from __future__ import annotations
 
 import contextlib
+import glob
+import logging
 import os
 import signal
 import subprocess
@@ -21,6 +23,8 @@ from collections.abc import Sequence
 import requests
 
 from rlsys.rollout import protocol
+
+logger = logging.getLogger(__name__)
 
 
 class ServerError(RuntimeError):
@@ -40,6 +44,7 @@ class ServerProcess:
         health_path: str = protocol.HEALTH,
         stop_grace_s: float = 15.0,
         name: str | None = None,
+        leftovers: Sequence[str] = (),
     ):
         self.command = [str(c) for c in command]
         self.url = url.rstrip("/")
@@ -48,6 +53,7 @@ class ServerProcess:
         self.health_path = health_path
         self.stop_grace_s = stop_grace_s
         self.name = name or self.url
+        self.leftovers = list(leftovers)  # glob patterns of files the server leaves behind (see _remove_leftovers)
         self.starts = 0
         self._proc: subprocess.Popen | None = None
         self._log = None
@@ -62,6 +68,7 @@ class ServerProcess:
     def start(self) -> None:
         if self.alive():
             raise ServerError(f"{self.name} is already running (pid {self.pid})")
+        self._remove_leftovers()  # of a server on this port that died without a stop
         self._close_log()
         stdout = subprocess.DEVNULL
         if self.log_file:
@@ -127,6 +134,19 @@ class ServerProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
         self._close_log()
+        self._remove_leftovers()
+
+    def _remove_leftovers(self) -> None:
+        """Delete the files matching ``leftovers`` (SGLang's CPU backend never removes its /dev/shm all-reduce
+        segments, 259 MB a server: ``rlsys.rollout.sglang_env.sglang_cpu_leftovers``)."""
+        for pattern in self.leftovers:
+            for path in glob.glob(pattern):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:  # not ours to remove (another user's): stopping or starting goes on
+                    logger.warning("%s: cannot remove %s (%s)", self.name, path, e)
 
     def restart(self, timeout_s: float | None = None) -> None:
         """Stop (whatever is left of) the server and start it again; wait for health if ``timeout_s``."""

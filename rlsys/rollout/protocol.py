@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import math
-import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -411,29 +410,35 @@ def update_weights_from_tensor_payload(
     }
 
 
-# rlsys's loader inside SGLang for delta syncs (rlsys.rollout.in_sglang.delta_loader): the server's flag, and the
-# load_format of the update_weights_from_tensor call (no tensors) that arms it before each full sync
-DELTA_LOADER = "rlsys.rollout.in_sglang.delta_loader.arm"
+# rlsys's loader inside SGLang (rlsys.rollout.in_sglang.loader): TP parts and deltas become whole tensors there. The
+# server's flag takes both functions; ``update_weights_from_tensor`` calls with no weights and these load_formats
+# arm it on every full sync and check, after a sync with TP parts, that every tensor's parts arrived.
+LOADER_ARM = "rlsys.rollout.in_sglang.loader.arm"
+LOADER_FINISH = "rlsys.rollout.in_sglang.loader.finish"
+LOADERS = (LOADER_ARM, LOADER_FINISH)
+LOADER_SHADOW = "rlsys/shadow"  # rlsys.rollout.in_sglang.loader.SHADOW (SGLang's side imports no protocol)
 CUSTOM_LOADER_FLAG = "--custom-weight-loader"
 
 
-def arm_delta_loader_payload(tp: int) -> list[str]:
-    """``serialized_named_tensors`` of the arming call: an empty pickled list per TP rank."""
-    return [base64.b64encode(pickle.dumps([])).decode()] * tp
-
-
-def runs_delta_loader(url: str, server_info: dict) -> bool:
-    """Whether the engine needs its delta loader armed (SGLang) or applies deltas itself (rlsys's CPU engine);
-    ``ConfigError`` for SGLang started without the loader (``/server_info`` lists its custom loaders)."""
+def runs_rlsys_loader(server_info: dict) -> bool | None:
+    """Whether an engine runs rlsys's loader: None for rlsys's CPU engine, which needs none (it takes deltas and
+    TP parts itself), else whether SGLang's ``/server_info`` lists both of its functions."""
     if server_info.get("engine") == "rlsys-cpu":
-        return False
-    if DELTA_LOADER not in (server_info.get("custom_weight_loader") or []):
+        return None
+    return set(LOADERS) <= set(server_info.get("custom_weight_loader") or [])
+
+
+def require_rlsys_loader(url: str, server_info: dict, key: str) -> bool:
+    """Whether rlsys must arm the engine's loader (SGLang) or not (the CPU engine); ``ConfigError`` naming ``key``
+    (the setting that needs it) for SGLang started without the loader."""
+    runs = runs_rlsys_loader(server_info)
+    if runs is False:
         raise ConfigError(
-            "rollout.sync.delta",
-            f"{url} is SGLang without rlsys's delta loader: start it with {CUSTOM_LOADER_FLAG} {DELTA_LOADER} and "
-            "rlsys on its PYTHONPATH (rlsys does both for the engines it launches), or set rollout.sync.delta: false",
+            key,
+            f"{url} is SGLang without rlsys's loader: start it with {CUSTOM_LOADER_FLAG} {' '.join(LOADERS)} and "
+            f"rlsys on its PYTHONPATH (rlsys does both for the engines it launches), or change {key}",
         )
-    return True
+    return bool(runs)
 
 
 def begin_weight_update_payload(selector: str = "all") -> dict:

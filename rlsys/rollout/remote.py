@@ -16,9 +16,10 @@ from rlsys.rollout.process import ServerError, ServerProcess
 
 # Stops a server's process group once the EngineHost that started it is gone (Ray kills actors with
 # SIGKILL, e.g. when the controller exits): the group is its own session and would outlive the host,
-# holding its GPUs. Exits when the group is gone. argv: host pid, group id, grace seconds.
+# holding its GPUs, and then removes the files the server leaves (ServerProcess.leftovers: SGLang CPU's /dev/shm
+# segments). Exits when the group is gone. argv: host pid, group id, grace seconds, the leftovers' patterns.
 _WATCHDOG = r"""
-import os, signal, sys, time
+import glob, os, signal, sys, time
 host, group, grace = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 def group_exists():
     try:
@@ -38,6 +39,11 @@ while group_exists():
             deadline = time.monotonic() + wait
             while group_exists() and time.monotonic() < deadline:
                 time.sleep(0.2)
+        for path in [p for pattern in sys.argv[4:] for p in glob.glob(pattern)]:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
         break
     time.sleep(1)
 """
@@ -57,12 +63,15 @@ class EngineHost:
         env: dict[str, str] | None = None,
         log_file: str | None = None,
         name: str | None = None,
+        leftovers: Callable[[int], Sequence[str]] | None = None,
     ):
         import ray
 
         host = ray.util.get_node_ip_address()
         port = free_port(host)
-        self.server = ServerProcess(command(host, port), f"http://{host}:{port}", env=env, log_file=log_file, name=name)
+        left = leftovers(port) if leftovers else ()  # ServerProcess.leftovers, by the port chosen here
+        url = f"http://{host}:{port}"
+        self.server = ServerProcess(command(host, port), url, env=env, log_file=log_file, name=name, leftovers=left)
         self.node_id = ray.get_runtime_context().get_node_id()
         self._watchdog: subprocess.Popen | None = None
 
@@ -73,8 +82,9 @@ class EngineHost:
         self.server.start()
         if self._watchdog is not None:
             self._watchdog.poll()  # reap the last server's watchdog
+        argv = [str(os.getpid()), str(self.server.pid), str(self.server.stop_grace_s), *self.server.leftovers]
         self._watchdog = subprocess.Popen(
-            [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(self.server.pid), str(self.server.stop_grace_s)],
+            [sys.executable, "-c", _WATCHDOG, *argv],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -124,11 +134,13 @@ class RemoteServer:
         env: dict[str, str] | None = None,
         log_file: str | None = None,
         name: str | None = None,
+        leftovers: Callable[[int], Sequence[str]] | None = None,
     ):
         import ray
 
         self.name = name or "remote server"
-        self.actor = ray.remote(EngineHost).options(**options).remote(command, env=env, log_file=log_file, name=name)
+        host = ray.remote(EngineHost).options(**options)
+        self.actor = host.remote(command, env=env, log_file=log_file, name=name, leftovers=leftovers)
         self._info: dict | None = None
 
     def __repr__(self) -> str:

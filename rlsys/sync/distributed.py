@@ -3,9 +3,11 @@ engines that share rank 0's devices, through ``update_weights_from_tensor`` (col
 
 Per sync, on every trainer rank (a collective over the training world):
 
-1. ``iter_hf_tensors`` gathers each parameter's TP / expert-TP shards and converts it to HF
-   names and layout on the *writer* ranks (one per pipeline stage, one per EP rank; see
-   ``rlsys.megatron.export``).
+1. ``iter_hf_tensors`` converts the parameters to HF names and layout on their *writer* ranks (per pipeline stage
+   and EP rank; see ``rlsys.megatron.export``). Where every engine takes TP parts (``sync.shards: auto`` or
+   ``parts``, ``senders: writers``, a broadcast group; ``rlsys.sync.parts``) every TP rank writes its own slices
+   of each TP-split tensor and nothing is gathered. Otherwise each parameter's TP / expert-TP shards are gathered
+   first, on TP rank 0, or under ``senders: writers`` on one TP rank per parameter, each its share of the bytes.
 2. Every writer packs its tensors into buckets of ``sync.bucket_mb``, rank 0's first ones smaller so that the
    first broadcast starts early (``rlsys.sync.buckets.ramp_start``); under ``per_bucket`` its small tensors
    into buckets of their own, sent flattened (``buckets.is_small``).
@@ -15,12 +17,13 @@ Per sync, on every trainer rank (a collective over the training world):
    dtypes, shapes) to rank 0 over a gloo "funnel" group; when rank 0 gets to it, it tells the writer over
    a second gloo group to go (or to skip, after a failure: no send is left without a receiver), announces
    the bucket to the engines (``update_weights_from_distributed`` with that writer's group) while the writer
-   broadcasts, and, once the engines answered, tells the writer whether the bucket landed. Rank 0 takes its own
-   buckets first, then each writer's in writer order, one bucket at a time: engines that received two
-   groups' buckets in different orders would deadlock. With ``senders: rank0`` (and whenever an engine is
-   colocated) writers send the bytes to rank 0 instead, as a header and one flat uint8 tensor from a reused
-   host buffer, and rank 0 broadcasts each received bucket as it arrived (its tensors are views into the
-   received bytes); SGLang then receives from one group, rank 0's.
+   broadcasts, and, once the engines answered, tells the writer whether the bucket landed. One bucket is in
+   flight at a time (engines that received two groups' buckets in different orders would deadlock), and rank 0
+   takes turns: after each of its own buckets, the next of every writer still sending (``_take_turns``), so a
+   tensor's TP parts land in neighbouring buckets and no writer's ready bucket waits for another's export. With
+   ``senders: rank0`` (and whenever an engine is colocated) writers send the bytes to rank 0 instead, as a
+   header and one flat uint8 tensor from a reused host buffer, and rank 0 broadcasts each received bucket as it
+   arrived (its tensors are views into the received bytes); SGLang then receives from one group, rank 0's.
 4. A background thread on rank 0 broadcasts each bucket while the next one is filled or received: it fires
    ``update_weights_from_distributed(names, dtypes, shapes, flush_cache=False, weight_version)`` at each
    engine (which blocks until it has the bucket), broadcasts, then waits; each writer's thread alike.
@@ -47,12 +50,19 @@ its original exception). An engine error before the first bucket (pause, flush, 
 SGLang release) is agreed on before any gather starts. After a failure mid-sync the engines are left paused
 (their weights are partly new) and the broadcast group is rebuilt under a new name on the next sync. A
 writer whose bucket an engine refused hears it from rank 0 at once (its broadcast has no receiver) and
-abandons its group, which the next sync rebuilds too.
+abandons its group, which the next sync rebuilds too. When TP ranks gather, every rank posts the shards it owes its
+TP peers before it exports anything, and waits for them after its own turn (``iter_hf_tensors``'s ``sends``): a
+writer waiting for rank 0's go never holds up a peer whose turn comes first, failed sync or not. After a failure a
+rank's export still goes to its end (``_keep_failure``), so that its peers' shards are all received; should a
+shard still be left unreceived (a peer that died), the gathers' messages carry the sync's tag, so the next sync
+never takes it for another parameter's (gloo; NCCL ignores tags, and a dead peer breaks its group). SGLang puts TP
+parts together in rlsys's loader in its process (``rlsys.rollout.in_sglang.loader``, armed on every full sync);
+after the last bucket rank 0 has it check that no tensor is left incomplete.
 
 With ``delta`` (``rollout.sync.delta``) each writer sends, after a full sync, only what changed since its
 last send (``rlsys.sync.delta``: indices or a bitmap plus values per tensor, or the whole tensor, whichever
 is smallest; nothing for an unchanged one), and the engines apply it in place (SGLang through rlsys's loader in
-its process, ``rlsys.rollout.in_sglang.delta_loader``, armed on every full sync). Rank 0 decides per sync and
+its process, ``rlsys.rollout.in_sglang.loader``, armed on every full sync). Rank 0 decides per sync and
 tells every rank: a sync is whole after a (re)connect (a restarted engine holds its checkpoint's weights)
 and after any failure (the engines' copies are partly new). Each writer keeps its last sent tensors (one
 copy of its share, on its device); with ``verify`` and ``senders: rank0`` rank 0 also mirrors what the other
@@ -77,30 +87,33 @@ a CUDA IPC handle on GPU, the bytes inline on CPU (``rlsys.sync.colocated`` says
 from __future__ import annotations
 
 import contextlib
-import logging
+import dataclasses
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from rlsys.architectures.fp8 import quantize_named_tensors
+from rlsys.errors import ConfigError
 from rlsys.host_threads import single_threaded
 from rlsys.local_ranks import node_address
 from rlsys.megatron.export import is_dense_writer, is_expert_writer, iter_hf_tensors
-from rlsys.rollout import protocol
 from rlsys.rollout.protocol import PAUSE_MODES
 from rlsys.sync import buckets as bk
-from rlsys.sync.buckets import Bucket, Bucketer, Handoff, WriterFailed, recv_bucket, send_bucket, send_end
+from rlsys.sync.buckets import Bucket, Bucketer, Handoff, send_bucket, send_end
 from rlsys.sync.colocated import serialize_flattened_bucket
-from rlsys.sync.delta import DeltaEncoder, apply_delta
-from rlsys.sync.delta import split as split_delta
-from rlsys.sync.engine_calls import announce_bucket, begin_session, first_error
+from rlsys.sync.delta import DeltaEncoder
+from rlsys.sync.engine_calls import announce_bucket, first_error
 from rlsys.sync.groups import BroadcastGroups
+from rlsys.sync.parts import part_name
 from rlsys.sync.process_group import abandon_custom_process_group
-from rlsys.sync.verify import TrainerChecksums, probe_engines, verify_engines
+from rlsys.sync.sessions import EngineSessions
+from rlsys.sync.stats import SyncStats
+from rlsys.sync.turns import RemoteBucket, WriterGaveUp, WriterTurns
+from rlsys.sync.verify import TrainerChecksums
 from rlsys.sync.wire import dtype_name
 
 
@@ -109,41 +122,11 @@ class WeightSyncError(RuntimeError):
     every trainer rank with the failing rank's message."""
 
 
-class _WriterFailed(RuntimeError):
-    """Rank 0's note that a writer gave up; the writer's own error is the one every rank raises."""
-
-
 class _BucketRefused(RuntimeError):
     """A writer's note that rank 0 reported its bucket failed in some engine; rank 0's error says why."""
 
 
-@dataclass
-class _Remote:
-    """A bucket another writer broadcasts into its own group: rank 0 announces it to the engines."""
-
-    src: int
-    bucket: Bucket
-
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SyncStats:
-    seconds: float = 0.0
-    bytes: int = 0
-    tensors: int = 0
-    buckets: int = 0
-    peak_buckets: int = 0  # the most buckets alive at once on this rank (see the module docstring)
-    relayed_bytes: int = 0  # rank 0: bytes other writers sent through it (sync.senders: rank0)
-    full: bool = True  # every tensor sent whole (always, without delta sync)
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
-
-
-class DistributedWeightSync(BroadcastGroups):
+class DistributedWeightSync(BroadcastGroups, EngineSessions, WriterTurns):
     """Owns the engine group and the funnel group; ``sync`` is called on every trainer rank.
 
     ``engines`` (clients with SGLang's weight-update API) and ``engine_tp`` are only used on
@@ -168,6 +151,7 @@ class DistributedWeightSync(BroadcastGroups):
         delta: bool = False,
         pause_mode: str = "abort",
         senders: str = "writers",
+        shards: str = "auto",
     ):
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"sync.pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
@@ -175,6 +159,8 @@ class DistributedWeightSync(BroadcastGroups):
             raise ValueError(f"rollout.weight_dtype must be 'auto' or 'fp8', got {weight_dtype!r}")
         if senders not in ("writers", "rank0"):
             raise ValueError(f"sync.senders must be 'writers' or 'rank0', got {senders!r}")
+        if shards not in ("auto", "parts", "gather"):
+            raise ValueError(f"sync.shards must be 'auto', 'parts' or 'gather', got {shards!r}")
         if load_format not in bk.LOAD_FORMATS:
             raise ValueError(f"sync.load_format must be one of {bk.LOAD_FORMATS}, got {load_format!r}")
         self.topo, self.arch = topo, arch
@@ -190,7 +176,7 @@ class DistributedWeightSync(BroadcastGroups):
         self.pause_mode = pause_mode  # in_place: requests in flight go on with the new weights (partial rollouts)
         self.master_address = master_address or node_address()  # rank 0's node, as its engines' hosts see it
         self.group_name = group_name
-        self.verify, self.weight_dtype = verify, weight_dtype
+        self.verify, self.weight_dtype, self.shards = verify, weight_dtype, shards
         self._views = None  # what verification learned about the engines (probed once per connect)
         self._views_fresh = False
         self.last_unverifiable = 0
@@ -201,21 +187,7 @@ class DistributedWeightSync(BroadcastGroups):
         self.connected = False
         self.active_group_name = group_name
         self.last_verification: list = []  # the engine reports of the last verified sync
-        # Writers in a fixed order, known to everyone; the funnel connects them to rank 0.
-        flags = [None] * dist.get_world_size()
-        dist.all_gather_object(flags, is_dense_writer(topo) or is_expert_writer(topo))
-        self.writers = [r for r, w in enumerate(flags) if w]
-        if 0 not in self.writers:
-            raise RuntimeError("global rank 0 must export weights (TP, PP, DP, EP rank 0); check the topology")
-        self.funnel = dist.new_group(self.writers, backend="gloo") if len(self.writers) > 1 else None
-        self.acks = dist.new_group(self.writers, backend="gloo") if len(self.writers) > 1 else None
-        # every rank's verdict on a sync, on a host-side group whatever the training backend
-        self.control = dist.new_group(backend="gloo")
-        # Writers broadcast their own buckets (rank 0 announces them); not into colocated engines, which take
-        # rank 0's tensors, nor with one writer. Rank 0 knows the transports and decides for everyone.
-        direct = [senders == "writers" and len(self.writers) > 1 and self.broadcast_tp and not self.tensor_engines]
-        dist.broadcast_object_list(direct, src=0, group=self.control)
-        self.direct = bool(direct[0])
+        self._choose_writers(topo, senders)
         self.group_names: list[str] = []  # rank 0: the broadcast groups the engines hold, one per sending writer
         self.version = 0
         self._calls = ThreadPoolExecutor(max(4, 2 * len(engines)), "weight-sync", single_threaded)
@@ -228,8 +200,47 @@ class DistributedWeightSync(BroadcastGroups):
         self._mirror: dict[str, torch.Tensor] = {}
         self._seen: set[str] = set()  # the mirrored names sent in this sync
         self._need_full = True  # rank 0: the engines' copies are unknown (first sync, reconnect, failure)
-        self._shadowed: list = []  # (SGLang engine, tp) whose deltas rlsys's loader there applies
+        self._loaders: list = []  # rank 0: (SGLang engine, tp) running rlsys's loader (TP parts, deltas, CPU biases)
+        self._parts_ok = False  # rank 0: every engine takes TP parts (learned on connect)
+        self._turns: list[int] = []  # rank 0, during a sync: the writers whose buckets it still takes
+        self.parts = False  # this sync: TP ranks send their own slices (rlsys.sync.parts), nobody gathers
         self.last_full = True
+
+    @classmethod
+    def from_config(cls, topo, arch, engines, engine_tp, cfg, *, backend: str, weight_dtype: str, transports):
+        """From ``rollout.sync`` (``SyncConfig``), every key of it: one the constructor does not take fails here,
+        not silently. ``backend`` and ``transports`` are the ones resolved for this run (``transport`` picks per
+        engine in ``rlsys.plan.sync_transports``); ``weight_dtype`` is ``rollout.weight_dtype``."""
+        given = {
+            f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("backend", "transport")
+        }
+        return cls(
+            topo, arch, engines, engine_tp, backend=backend, weight_dtype=weight_dtype, transports=transports, **given
+        )
+
+    def _choose_writers(self, topo, senders: str) -> None:
+        # every rank's verdict on a sync, on a host-side group whatever the training backend
+        self.control = dist.new_group(backend="gloo")
+        # Writers broadcast their own buckets (rank 0 announces them), each TP rank its share (export's spread);
+        # not into colocated engines, which take rank 0's tensors. Rank 0 knows the transports and decides.
+        spread = senders == "writers" and bool(self.broadcast_tp) and not self.tensor_engines
+        refused = None
+        if self.is_sender and self.shards == "parts" and not spread:
+            refused = "parts are broadcast by each TP rank into every engine: colocated engines take whole tensors"
+        decision = [spread, refused, os.urandom(3).hex()]  # and the incarnation in this trainer's group names
+        dist.broadcast_object_list(decision, src=0, group=self.control)
+        if decision[1]:
+            raise ConfigError("rollout.sync.shards", f"'parts' is impossible here ({decision[1]}): use auto or gather")
+        self.spread, self.incarnation = bool(decision[0]), decision[2]
+        # Writers in a fixed order, known to everyone; the funnel connects them to rank 0.
+        flags = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, is_dense_writer(topo, self.spread) or is_expert_writer(topo, self.spread))
+        self.writers = [r for r, w in enumerate(flags) if w]
+        if 0 not in self.writers:
+            raise RuntimeError("global rank 0 must export weights (TP, PP, DP, EP rank 0); check the topology")
+        self.funnel = dist.new_group(self.writers, backend="gloo") if len(self.writers) > 1 else None
+        self.acks = dist.new_group(self.writers, backend="gloo") if len(self.writers) > 1 else None
+        self.direct = self.spread and len(self.writers) > 1
 
     # -- one sync -----------------------------------------------------------------------------------
 
@@ -248,7 +259,7 @@ class DistributedWeightSync(BroadcastGroups):
             dist.broadcast_object_list(connect, src=0, group=self.control)
             if connect[0]:
                 self.connect()
-        self._start_delta()
+        self._decide()
         self._failure = None
         if self.is_sender:
             try:
@@ -268,15 +279,18 @@ class DistributedWeightSync(BroadcastGroups):
             elif rank in self.writers:
                 self._write(chunks, stats)
             else:
-                for _ in iter_hf_tensors(chunks, self.arch, self.topo):  # TP peers of a writer: gathers only
-                    pass
+                exported = iter_hf_tensors(
+                    chunks, self.arch, self.topo, spread=self.spread, parts=self._namer(), tag=self._tag()
+                )
+                for _ in exported:
+                    pass  # the TP peers of a writer: gathers only
         except Exception as e:
             error = e
         if self.is_sender:
             if error is not None or self._failure is not None:
                 self._close_sessions(resume=False)  # paused: their weights are partly new
                 self.disconnect(broken=True)
-                if error is None and not isinstance(self._failure, _WriterFailed):  # a writer says its own
+                if error is None and not isinstance(self._failure, WriterGaveUp):  # a writer says its own
                     error = self._failure
             else:
                 try:  # the sessions' end and verification are engine answers too: every rank hears of them
@@ -299,12 +313,16 @@ class DistributedWeightSync(BroadcastGroups):
         stats.full = self.last_full
         return stats
 
-    def _start_delta(self) -> None:
-        """Every rank learns from rank 0 whether this sync is whole (bases reset) or sends deltas."""
+    def _decide(self) -> None:
+        """Every rank learns from rank 0 whether this sync is whole (delta bases reset) or sends deltas, and whether
+        TP ranks send their own parts (every engine takes them: known since the last connect)."""
+        if self.delta is None and not self.spread:
+            return
+        decision = [self._need_full or not self.connected, self._parts_ok]
+        dist.broadcast_object_list(decision, src=0, group=self.control)
+        self.parts = bool(decision[1])
         if self.delta is None:
             return
-        decision = [self._need_full or not self.connected]
-        dist.broadcast_object_list(decision, src=0, group=self.control)
         self.last_full = bool(decision[0])
         self._seen = set()
         if self.last_full:
@@ -316,16 +334,14 @@ class DistributedWeightSync(BroadcastGroups):
             lambda bucket, slot: self._broadcast(bucket, slot, stats), timeout_s=self.timeout_s, skipped=self._skipped
         )
         self._gave_up: set[int] = set()  # the writers that sent their end as failed
+        self._turns, self._stats = list(self.writers[1:]), stats  # the writers still sending
+        sends: list = []  # its shards of what other TP writers export: they go once those writers broadcast
         with outbox.closing():
-            self._export(chunks, outbox)
-            for src in self.writers[1:]:
-                while (bucket := self._receive(src, outbox)) is not None:
-                    outbox.put(_Remote(src, bucket) if self.direct else bucket)  # after a failure: skipped
-                    stats.relayed_bytes += 0 if self.direct else bucket.nbytes
-                if self.direct and self._checks is not None and src not in self._gave_up:
-                    theirs = [None]
-                    dist.recv_object_list(theirs, src=src, group=self.funnel)
-                    self._checks.merge(theirs[0])
+            self._export(chunks, outbox, sends)
+            while self._turns:
+                self._take_turns(outbox)
+        if self._failure is None:  # after one, a peer may never take them (tagged per sync: never taken later)
+            self._wait(sends)
         if self._checks is not None:  # delta sync: what the other writers left unsent is verified too
             for name in self._mirror.keys() - self._seen:
                 self._checks.add(name, self._mirror[name])
@@ -334,9 +350,10 @@ class DistributedWeightSync(BroadcastGroups):
     def _write(self, chunks, stats: SyncStats) -> None:
         # no timeout: the first bucket waits until rank 0 has sent its own, however long that takes
         outbox = Handoff(self._cast_own if self.direct else self._send)
+        sends: list = []  # its shards of what its TP peers write: waited for once rank 0 may turn to them
         try:
             with outbox.closing():
-                self._export(chunks, outbox)
+                self._export(chunks, outbox, sends)
             if self._failure is not None:  # direct: a bucket that did not land
                 raise self._failure
         except BaseException:
@@ -346,6 +363,7 @@ class DistributedWeightSync(BroadcastGroups):
         send_end(0, self.funnel)
         if self.direct and self._checks is not None:
             dist.send_object_list([self._checks], dst=0, group=self.funnel)
+        self._wait(sends)
         stats.peak_buckets = outbox.peak
 
     def _agree(self, error: BaseException | None) -> None:
@@ -361,72 +379,40 @@ class DistributedWeightSync(BroadcastGroups):
         r, message = failed[0]
         raise WeightSyncError(f"weight sync {self.version} failed on trainer rank {r}: {message}") from error
 
-    def _prepare_engines(self) -> None:
-        if not self.connected:
-            self.connect()
-        for e in self.engines:
-            e.pause_generation(self.pause_mode, timeout_s=self.timeout_s)
-        if self.pause_mode != "in_place":  # parked requests keep their KV cache, and SGLang then refuses a flush
-            wait = min(self.timeout_s, 30.0) if self.pause_mode == "abort" else 0.0  # aborted requests end soon
-            for e in self.engines:
-                e.flush_cache(wait_s=wait, timeout_s=self.timeout_s)
-        self._sessions = []  # filled as they open, so that a failure closes exactly those
-        for e in self.engines:
-            if begin_session(e, self.timeout_s):
-                self._sessions.append(e)
-        if self.delta is not None and self.last_full:  # SGLang's delta loader: a fresh shadow, which this sync fills
-            for e, tp in self._shadowed:
-                payload = protocol.arm_delta_loader_payload(tp)
-                e.update_weights_from_tensor(
-                    payload, protocol.DELTA_LOADER, flush_cache=False, timeout_s=self.timeout_s
-                )
-        self._checks = None
-        if self.verify:
-            if self._views is None:
-                self._views = probe_engines(self.engines, self.timeout_s)
-                self._views_fresh = True
-            self._checks = TrainerChecksums.for_engines(self._views)
-
-    def _close_sessions(self, resume: bool) -> None:
-        """After a failure: close the open sessions; ``resume`` generation where no weight was sent yet."""
-        for e in self._sessions:
-            with contextlib.suppress(Exception):
-                e.end_weight_update(timeout_s=min(self.timeout_s, 30))
-        self._sessions = []
-        if resume:
-            for e in self.engines:
-                with contextlib.suppress(Exception):
-                    e.continue_generation(timeout_s=min(self.timeout_s, 30))
-
-    def _finish_engines(self) -> None:
-        """After every bucket landed: close the sessions (the engines finalize the weights), verify, continue."""
-        sessions, self._sessions = self._sessions, []
-        first_error(
-            [self._calls.submit(e.end_weight_update, timeout_s=self.timeout_s) for e in sessions], self.timeout_s
-        )
-        if self._checks is not None:  # before continuing: no rollout may sample from wrong weights
-            self.last_verification = verify_engines(
-                self.engines, self._checks, self.timeout_s, expected_version=self.version
-            )
-            self.last_unverifiable = self._checks.skipped
-            if self._views_fresh:
-                self._views_fresh = False
-                for r in self.last_verification:  # say once per connect what a pass means
-                    logger.info("sync.verify: %s", r.summary(self._checks))
-        for e in self.engines:
-            e.continue_generation(timeout_s=self.timeout_s)
-
-    def _export(self, chunks, outbox: Handoff) -> None:
-        # only rank 0's first bucket holds up the first broadcast: other writers' fill while rank 0's go out
-        large = Bucketer(self.bucket_bytes, bk.ramp_start(self.bucket_bytes) if self.is_sender else None)
+    def _export(self, chunks, outbox: Handoff, sends: list | None = None) -> None:
+        # The first broadcast waits only for a small bucket; through rank 0 the other writers' fill while its go out,
+        # but direct writers take turns with rank 0 (_take_turns), so their first buckets hold the engines up too.
+        ramp = self.is_sender or self.direct
+        large = Bucketer(self.bucket_bytes, bk.ramp_start(self.bucket_bytes) if ramp else None)
         # per_bucket: small tensors wait in buckets of their own that go flat, not one broadcast each
         small = Bucketer(self.bucket_bytes) if self.load_format == "per_bucket" else None
-        for name, tensor in iter_hf_tensors(chunks, self.arch, self.topo):
-            if self._failure is None:  # after a failure only the gathers go on (see sync)
-                self._add((large, small), outbox, name, tensor)
+        exported = iter_hf_tensors(
+            chunks, self.arch, self.topo, spread=self.spread, sends=sends, parts=self._namer(), tag=self._tag()
+        )
+        for name, tensor in exported:
+            self._keep_failure(self._add, (large, small), outbox, name, tensor)
         for last in (large.flush(), small.flush() if small is not None else None):
-            if last is not None and self._failure is None:
-                self._hand_over(last, outbox)
+            if last is not None:
+                self._keep_failure(self._hand_over, last, outbox)
+
+    def _keep_failure(self, step, *args) -> None:
+        """Run one step of handing the export over, unless the sync already failed; an error is kept in
+        ``_failure``, not raised, so that the export goes on: its gathers must all be received (see sync)."""
+        if self._failure is not None:
+            return
+        try:
+            step(*args)
+        except Exception as e:
+            self._failure = e
+
+    def _tag(self) -> int:
+        return self.version % (1 << 30)
+
+    def _namer(self):
+        """How TP parts are named this sync (``iter_hf_tensors``' ``parts``), or None: TP ranks gather."""
+        if not self.parts:
+            return None
+        return lambda p: part_name(p.name, p.dim, p.start, p.tensor.shape[p.dim], p.total)
 
     def _add(self, bucketers: tuple, outbox: Handoff, name: str, tensor: torch.Tensor) -> None:
         named = quantize_named_tensors([(name, tensor)]) if self.weight_dtype == "fp8" else [(name, tensor)]
@@ -449,42 +435,8 @@ class DistributedWeightSync(BroadcastGroups):
             flat = bucket.flattened(self._buffer(outbox.slot, bucket.nbytes, self.topo.device))
             bucket = Bucket.from_flat(bucket.names, flat, bucket.dtypes, bucket.shapes)
         outbox.put(bucket)
-
-    def _receive(self, src: int, outbox: Handoff) -> Bucket | None:
-        def into(nbytes: int) -> torch.Tensor:
-            outbox.begin()
-            return self._buffer(outbox.slot, nbytes, "cpu")
-
-        try:
-            bucket = recv_bucket(src, self.funnel, None if self.direct else into, self.timeout_s)
-        except TimeoutError as e:
-            raise TimeoutError(f"weight sync: writer rank {src} sent nothing for {self.timeout_s:g}s") from e
-        except WriterFailed:
-            self._gave_up.add(src)
-            self._failure = self._failure or _WriterFailed(src)  # nothing more goes to the engines
-            return None
-        if bucket is None or self.direct:
-            return bucket  # direct: its names, dtypes and shapes, which rank 0 announces
-        if self.topo.device.type != "cpu":  # gloo delivers to host memory; broadcast from the device like rank 0's own
-            flat = self._buffer(outbox.slot, bucket.nbytes, self.topo.device).copy_(bucket.flat)
-            bucket = Bucket.from_flat(bucket.names, flat, bucket.dtypes, bucket.shapes)
-        if self._checks is not None:
-            for n, t in zip(bucket.names, bucket.tensors):
-                self._checks.add(*self._mirrored(n, t))
-        return bucket
-
-    def _mirrored(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
-        """A funneled tensor as the engines now hold it: ``tensor`` itself, or (delta sync) rank 0's mirror of
-        it with the encoded delta applied."""
-        if self.delta is None:
-            return name, tensor
-        parts = split_delta(name)
-        self._seen.add(name if parts is None else parts[0])
-        if parts is None:
-            self._mirror[name] = tensor.clone()
-            return name, tensor
-        apply_delta(self._mirror[parts[0]], name, tensor)
-        return parts[0], self._mirror[parts[0]]
+        if self.is_sender and self._turns:
+            self._take_turns(outbox)
 
     def _buffer(self, key, nbytes: int, device) -> torch.Tensor:
         """A uint8 buffer of ``nbytes`` that only the holder of ``key`` (a ``Handoff`` slot) writes."""
@@ -516,20 +468,23 @@ class DistributedWeightSync(BroadcastGroups):
             dist.recv(answer, src=0, group=self.acks)  # after the engines answered
             if answer.item():
                 raise _BucketRefused("rank 0 reported that an engine failed this writer's bucket")
-            for send in sends:
-                send.wait(timeout=timedelta(seconds=self.timeout_s))
+            self._wait(sends)
         except Exception as e:
             self._failure = e
+
+    def _wait(self, sends: list) -> None:
+        for send in sends:
+            send.wait(timeout=timedelta(seconds=self.timeout_s))
 
     def _cast(self, bucket: Bucket) -> list:
         tensors = [bucket.flat] if bk.sends_flat(self.load_format, bucket) else bucket.tensors  # flat: see _hand_over
         return [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
 
-    def _broadcast(self, item: Bucket | _Remote, slot: int, stats: SyncStats) -> None:
+    def _broadcast(self, item: Bucket | RemoteBucket, slot: int, stats: SyncStats) -> None:
         """One bucket into every engine (on the Handoff's thread), or, for another writer's, its announcement
         and then the verdict to that writer. An error is kept in ``_failure``, not raised: the main thread
         drains the sync, and the bucket's and later buckets' sends are skipped."""
-        remote = item if isinstance(item, _Remote) else None
+        remote = item if isinstance(item, RemoteBucket) else None
         bucket = item.bucket if remote else item
         if remote is not None and not self._answer(remote.src):  # skipped: the writer starts no send
             return
@@ -555,7 +510,7 @@ class DistributedWeightSync(BroadcastGroups):
 
     def _skipped(self, item) -> None:
         """A bucket the outbox skips after an error: another writer's still waits for its answer."""
-        if isinstance(item, _Remote):
+        if isinstance(item, RemoteBucket):
             self._answer(item.src, ok=False)
 
     def _broadcast_bucket(self, bucket: Bucket, src: int = 0) -> None:
@@ -577,8 +532,7 @@ class DistributedWeightSync(BroadcastGroups):
         # An engine answers once it has received the bucket, or at once with its error: waiting on the
         # replies first turns an error answer into an error now, not a broadcast that waits out its timeout.
         first_error(replies, self.timeout_s)
-        for send in sends:
-            send.wait(timeout=timedelta(seconds=self.timeout_s))
+        self._wait(sends)
 
     def _send_tensors(self, engine, tp: int, payload: str):
         """One bucket into a colocated engine: the same flattened-bucket payload for each of its TP ranks (its

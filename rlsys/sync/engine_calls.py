@@ -1,14 +1,19 @@
 """Trainer rank 0's HTTP calls into the engines during a weight sync (``rlsys.sync.distributed``): joining and
-leaving a broadcast group, opening a weight-update session, announcing a bucket. Each call waits on every engine
-at once and raises the first error answer as soon as it comes, never after a long timeout."""
+leaving a broadcast group, opening a weight-update session, announcing a bucket, calling rlsys's loader in SGLang.
+Each call waits on every engine at once and raises the first error answer as soon as it comes, never after a long
+timeout."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import pickle
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
-from rlsys.rollout.protocol import needs_weight_update_session
+import torch
+
+from rlsys.rollout.protocol import LOADER_SHADOW, needs_weight_update_session
 
 
 def first_error(futures: list[Future], timeout_s: float) -> None:
@@ -71,3 +76,17 @@ def announce_bucket(calls: ThreadPoolExecutor, engines, bucket, group_name: str,
         )
         for e in engines
     ]
+
+
+def call_loader(calls: ThreadPoolExecutor, engines, function: str, timeout_s: float, shadow: bool = False) -> None:
+    """Call ``function`` of rlsys's loader in each ``(SGLang engine, tp)`` (``protocol.LOADERS``: arm it, ``shadow``
+    for delta syncs, or finish a sync with TP parts), with no weights; raise the first error answer."""
+    named = [(LOADER_SHADOW, torch.zeros(0))] if shadow else []
+    payload = base64.b64encode(pickle.dumps(named)).decode()
+    first_error(
+        [
+            calls.submit(e.update_weights_from_tensor, [payload] * tp, function, flush_cache=False, timeout_s=timeout_s)
+            for e, tp in engines
+        ],
+        timeout_s,
+    )

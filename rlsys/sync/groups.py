@@ -46,20 +46,31 @@ class BroadcastGroups:
 
     def _check_engines(self) -> None:
         """Rank 0, on (re)connect: each engine's SGLang release (refused if unknown; it decides the session
-        protocol), and which engines run rlsys's delta loader."""
+        protocol), which engines run rlsys's loader, and whether every engine takes TP parts."""
         self._views = None  # a restarted engine may store other dtypes
         first_error(
             [self._calls.submit(e.check_version, timeout_s=self.timeout_s) for e in self.engines], self.timeout_s
         )
-        if self.delta is not None:  # SGLang applies deltas through rlsys's loader in its process, armed per full sync
-            infos = [e.server_info(timeout_s=self.timeout_s) for e in self.engines]
-            self._shadowed = [
-                (e, tp) for e, tp, i in zip(self.engines, self.engine_tp, infos) if protocol.runs_delta_loader(e.url, i)
-            ]
+        # SGLang takes deltas and TP parts through rlsys's loader in its process (armed on every full sync)
+        delta = self.delta is not None
+        infos = [e.server_info(timeout_s=self.timeout_s) for e in self.engines]
+        wants = (("rollout.sync.delta", delta), ("rollout.sync.shards", self.shards == "parts"))
+        needed = [key for key, on in wants if on]
+        for e, info in zip(self.engines, infos):
+            for key in needed:
+                protocol.require_rlsys_loader(e.url, info, key)
+        runs = [protocol.runs_rlsys_loader(i) for i in infos]
+        split = self.topo.tp > 1 or self.topo.etp > 1  # some parameter is TP-split (the same on every stage)
+        self._parts_ok = split and self.spread and self.shards != "gather" and self.weight_dtype != "fp8"
+        self._parts_ok = self._parts_ok and False not in runs
+        # armed wherever it runs, parts or not: it also mends SGLang CPU's biases (loader.restore_bias_loaders)
+        self._loaders = [(e, tp) for e, tp, r in zip(self.engines, self.engine_tp, runs) if r]
 
     def _next_name(self) -> str:
-        self._groups_made += 1  # a rebuilt group gets a fresh name: the old one may hold a stale send
-        return self.group_name if self._groups_made == 1 else f"{self.group_name}_{self._groups_made}"
+        """A fresh name for every group built: a rebuilt one's old name may hold a stale send, and an engine still
+        holds the groups of a trainer that died or failed before it left them (``incarnation``: this trainer's)."""
+        self._groups_made += 1
+        return f"{self.group_name}_{self.incarnation}_{self._groups_made}"
 
     def _open_group(self, name: str, address: str, port: int, store=None):
         """Rank 0: every broadcast engine joins the group ``name`` whose rank 0 listens at ``address:port``;

@@ -38,6 +38,7 @@ import torch
 
 from rlsys.host_threads import single_threaded
 from rlsys.rollout.client import EngineError
+from rlsys.sync import parts
 from rlsys.sync.wire import dtype_from_str, dtype_name, tensor_checksum
 
 WEIGHTS_CHECKSUM = "/weights_checksum"  # rlsys CPU engine extension
@@ -157,15 +158,19 @@ class TrainerChecksums:
         )
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        """``name``: a checkpoint name, or a TP part of one (``rlsys.sync.parts``), hashed and sampled as the part
+        of that tensor it is."""
         tensor = tensor.detach()
+        part = parts.split(name)
+        whole = name if part is None else part[0]
         self.sent[name] = dtype_name(tensor.dtype)
         if self.compute_checksums:
-            stored = {m[name] for m in self.engine_dtypes if name in m} or {self.sent[name]}
+            stored = {m[whole] for m in self.engine_dtypes if whole in m} or {self.sent[name]}
             self.checksums[name] = {d: tensor_checksum(tensor.to(dtype_from_str(d))) for d in stored}
-        if self.sample_size and not name.endswith("_scale_inv"):
-            if self.packed and is_linear_weight(name, tensor):
+        if self.sample_size and not whole.endswith("_scale_inv"):
+            if self.packed and is_linear_weight(whole, tensor):
                 self.skipped += 1
-            else:
+            elif part is None or part[1] > 0 or part[2] == 0:  # leading rows, which an engine returns by name
                 self._offer(name, tensor)
 
     def merge(self, other: TrainerChecksums) -> None:
@@ -215,10 +220,11 @@ def is_linear_weight(name: str, tensor: torch.Tensor) -> bool:
 # ---- engine side --------------------------------------------------------------------------------------------
 
 
-def fetch_checksums(client, timeout_s: float | None = None) -> dict | None:
-    """The engine's ``/weights_checksum`` reply, or None when it has no such endpoint (SGLang)."""
+def fetch_checksums(client, timeout_s: float | None = None, parts: Sequence[str] = ()) -> dict | None:
+    """The engine's ``/weights_checksum`` reply (every tensor, and the TP ``parts`` named), or None when it has no
+    such endpoint (SGLang)."""
     try:
-        reply = client.request("POST", WEIGHTS_CHECKSUM, json={}, timeout_s=timeout_s)
+        reply = client.request("POST", WEIGHTS_CHECKSUM, json={"parts": list(parts)}, timeout_s=timeout_s)
     except EngineError as e:
         if e.status in (404, 405):
             return None
@@ -256,12 +262,14 @@ def verify_engines(
 
 
 def verify_engine(client, trainer: TrainerChecksums, timeout_s=None, expected_version=None) -> EngineReport:
-    reply = fetch_checksums(client, timeout_s)
+    reply = fetch_checksums(client, timeout_s, [n for n in trainer.sent if parts.split(n) is not None])
     if reply is not None:
-        return compare_checksums(client.url, reply, trainer, expected_version)
-    report = compare_samples(client, trainer, timeout_s)
-    if expected_version is not None:
-        report.version_error = _version_error(client.weight_version(timeout_s=timeout_s), expected_version)
+        report = compare_checksums(client.url, reply, trainer, expected_version)
+    else:
+        report = compare_samples(client, trainer, timeout_s)
+        if expected_version is not None:
+            report.version_error = _version_error(client.weight_version(timeout_s=timeout_s), expected_version)
+    report.missing += parts.gaps(trainer.sent)  # TP parts that never came: those rows kept their old values
     return report
 
 
@@ -274,7 +282,10 @@ def compare_checksums(url: str, reply: dict, trainer: TrainerChecksums, expected
         )
     sums, dtypes = reply["checksums"], reply.get("dtypes") or {}
     report = EngineReport(url, "checksum", checked=len(trainer.sent))
+    covered = set(trainer.sent)  # and every tensor some TP part of which was sent
     for name in trainer.sent:
+        part = parts.split(name)
+        covered.add(name if part is None else part[0])
         if name not in sums:
             report.missing.append(name)
             continue
@@ -287,7 +298,7 @@ def compare_checksums(url: str, reply: dict, trainer: TrainerChecksums, expected
             )
         elif sums[name] != ours[stored]:
             report.different.append(f"{name} ({stored})")
-    report.extra = sorted(n for n in sums if n not in trainer.sent)
+    report.extra = sorted(n for n in sums if n not in covered)
     if expected_version is not None:
         report.version_error = _version_error(reply.get("weight_version"), expected_version)
     return report
@@ -302,7 +313,8 @@ def compare_samples(client, trainer: TrainerChecksums, timeout_s=None) -> Engine
         )
     report = EngineReport(client.url, "sampled", checked=len(trainer.samples))
     for name, ours in trainer.samples.items():
-        body = {"name": name, "truncate_size": trainer.sample_rows}
+        part = parts.split(name)
+        body = {"name": name if part is None else part[0], "truncate_size": trainer.sample_rows}
         try:
             theirs = client.request("POST", GET_WEIGHTS_BY_NAME, json=body, timeout_s=timeout_s)
         except EngineError as e:
@@ -310,6 +322,8 @@ def compare_samples(client, trainer: TrainerChecksums, timeout_s=None) -> Engine
                 raise
             report.unreadable.append(name)
             continue
+        if part is not None:  # a part's leading rows: the first rows of its columns, or of the tensor
+            theirs = _part_rows(theirs, part[1], part[2], part[3], ours.shape[0])
         problem = sample_difference(ours, theirs)
         if problem:
             report.different.append(f"{name} ({problem})")
@@ -334,6 +348,18 @@ def sample_difference(ours: torch.Tensor, theirs, rtol: float = SAMPLE_RTOL, ato
     if (diff <= atol + rtol * ours.abs()).all():  # written this way round so that NaN fails
         return None
     return f"max abs difference {torch.nan_to_num(diff, nan=float('inf')).max().item():.3g} in the first rows"
+
+
+def _part_rows(rows, dim: int, start: int, length: int, count: int):
+    """The engine's leading ``rows`` of a whole tensor narrowed to a TP part's first ``count`` rows: a row part
+    starts at row 0 (only those are sampled), a column part takes its columns of each row."""
+    try:
+        rows = torch.tensor(rows, dtype=torch.float32)[:count]
+    except (TypeError, ValueError):
+        return rows  # sample_difference says what is wrong with it
+    if dim == 1 and rows.dim() == 2 and rows.shape[1] >= start + length:
+        rows = rows[:, start : start + length]
+    return rows.tolist()
 
 
 def _version_error(got, want) -> str | None:

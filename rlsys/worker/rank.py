@@ -112,22 +112,15 @@ class RankWorker:
         backend = sync_cfg.backend if sync_cfg.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
         rank0 = torch.distributed.get_rank() == 0
         clients = [EngineClient(u, sync_cfg.timeout_s, api_key=api_key) for u in urls] if rank0 else []
-        self.sync = DistributedWeightSync(
+        self.sync = DistributedWeightSync.from_config(
             self.topo,
             self.worker.engine.arch,
             clients,
             engine_tp if rank0 else [],
-            bucket_mb=sync_cfg.bucket_mb,
-            load_format=sync_cfg.load_format,
+            sync_cfg,
             backend=backend,
-            master_address=sync_cfg.master_address,
-            timeout_s=sync_cfg.timeout_s,
-            verify=sync_cfg.verify,
             weight_dtype=weight_dtype,
             transports=transports if rank0 else [],
-            delta=sync_cfg.delta,
-            pause_mode=sync_cfg.pause_mode,
-            senders=sync_cfg.senders,
         )
 
     def sync_weights(self, version: int | None = None) -> dict:

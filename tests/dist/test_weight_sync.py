@@ -1,6 +1,7 @@
 """Trainer -> engine weight sync over a gloo broadcast group, into real CPU engine processes."""
 
 import json
+import math
 import os
 import signal
 import time
@@ -64,6 +65,7 @@ def _trainer(hf_dir, layout, urls, engine_tp, opts, out_dir):
         verify=opts.get("verify", False),
         delta=opts.get("delta", False),
         senders=opts.get("senders", "writers"),
+        shards=opts.get("shards", "auto"),
     )
     result = {}
     try:
@@ -82,6 +84,7 @@ def _trainer(hf_dir, layout, urls, engine_tp, opts, out_dir):
             seconds=stats.seconds,
             peak_buckets=stats.peak_buckets,
             relayed=stats.relayed_bytes,
+            parts=sync.parts,
         )
         result["rounds"] = [_perturbed_sync(worker, sync, r) for r in range(opts.get("rounds", 0))]
     except Exception as e:  # the test inspects how a failed sync reports
@@ -219,8 +222,24 @@ def engine_checksums(url):
         ("qwen3", {"pp": 2}, {"senders": "rank0", "verify": True}),
         # experts from both EP ranks, buckets < largest tensor, an engine slower than the export
         ("qwen3_moe", {"ep": 2}, {"bucket_mb": 0.005, "verify": True, "slow_engine_s": 0.02}),
+        # dense and expert-TP shards, each TP rank its own parts of both passes (rlsys.sync.parts), verified
+        ("qwen3_moe", {"tp": 2, "pp": 2}, {"verify": True}),
+        # the same with gathers: each TP rank writes its share of the parameters whole; stage 1's writers wait for
+        # their turn while they owe each other shards of both passes
+        ("qwen3_moe", {"tp": 2, "pp": 2}, {"verify": True, "shards": "gather"}),
+        # parts of every transform (q/k/v, gate/up, rows, columns, padded vocab) per tensor into the parameters
+        ("qwen2", {"tp": 2}, {"load_format": "per_tensor", "verify": True}),
     ],
-    ids=["qwen2-tp2", "qwen2-pp2-per-bucket", "qwen3-pp2-per-tensor", "qwen3-pp2-through-rank0", "qwen3_moe-ep2"],
+    ids=[
+        "qwen2-tp2",
+        "qwen2-pp2-per-bucket",
+        "qwen3-pp2-per-tensor",
+        "qwen3-pp2-through-rank0",
+        "qwen3_moe-ep2",
+        "qwen3_moe-tp2-etp2-pp2-parts",
+        "qwen3_moe-tp2-etp2-pp2-gather",
+        "qwen2-tp2-parts-per-tensor",
+    ],
 )
 def test_sync_makes_every_engine_tensor_equal_the_trainers(
     engines, tiny_checkpoints, tmp_path, model_type, layout, opts
@@ -231,15 +250,18 @@ def test_sync_makes_every_engine_tensor_equal_the_trainers(
         sizes = [t.numel() * t.element_size() for shard in shards for t in shard.values()]
         assert min(sizes) < opts["flat_below"] < max(sizes)
     urls = [url for _, url in engines(model_type)]
-    reports = run_sync(hf, layout, 2, urls, tmp_path, logprobs=True, **opts)
+    reports = run_sync(hf, layout, math.prod(layout.values()), urls, tmp_path, logprobs=True, **opts)
     sender = reports[0]
     assert "error" not in sender, sender
     assert sender["buckets"] > 1 and sender["tensors"] > 0
     writers = [r for r in reports if "peak_buckets" in r]
-    assert len(writers) == (1 if layout.get("tp") else 2)
+    # no DP replicas here: every rank writes (each stage and EP rank; at TP2 each TP rank its share of the bytes)
+    assert len(writers) == math.prod(layout.values())
     # no byte of the second writer's crosses rank 0 unless sync.senders says so
     assert (sender["relayed"] > 0) == (opts.get("senders") == "rank0" and not layout.get("tp")), sender
     assert all(1 <= r["peak_buckets"] <= 2 for r in writers), writers  # one filled or received, one sent
+    # TP ranks send their own parts into the CPU engine unless told to gather
+    assert all(r["parts"] == (bool(layout.get("tp")) and opts.get("shards") != "gather") for r in writers), writers
     if opts.get("slow_engine_s"):
         assert sender["peak_buckets"] == 2  # and it did fill the next bucket during a broadcast
     with open(os.path.join(hf, "config.json")) as f:
@@ -261,13 +283,13 @@ def test_sync_makes_every_engine_tensor_equal_the_trainers(
 def test_an_engine_refusing_a_bucket_fails_every_rank_at_once_and_the_next_sync_lands(
     engines, tiny_checkpoints, tmp_path, layout, refused
 ):
-    """stage1: the refused writer's broadcast has no receiver (tp2-pp2: its TP peer is in the export's gathers,
-    and the writer goes on gathering with it). stage0: rank 0's own bucket; stage 1 is told to skip its sends."""
+    """stage1: the refused writer's broadcast has no receiver (tp2-pp2: rank 1, stage 0's second TP writer, whose
+    TP peer rank 0 goes on gathering with it). stage0: rank 0's own bucket; stage 1 is told to skip its sends."""
     hf = tiny_checkpoints["qwen3"]
     urls = [url for _, url in engines("qwen3")]
     world = layout.get("tp", 1) * 2
     reports = run_sync(hf, layout, world, urls, tmp_path, refuse_group=refused, timeout_s=120, verify=True)
-    assert len(reports) == 2  # the writers: one per stage
+    assert len(reports) == world  # the writers: every TP rank of each stage
     for r in reports:  # the stage-1 writer's broadcast had no receiver: it heard of the refusal from rank 0
         assert "refused a bucket in" in r["first_error"] and r["failed_after"] < 30, r
         assert "error" not in r, r  # the second sync, over rebuilt groups, landed and verified

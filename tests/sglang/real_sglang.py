@@ -20,6 +20,9 @@ VENV = os.environ.get("RLSYS_SGLANG_CPU_VENV", os.path.join(REPO, ".sglang_cpu")
 # Tensors of TINY_LLAMA that sync.verify can compare: all 21, but on a CPU with AMX SGLang stores linear weights
 # AMX-packed and reads them back so, leaving the 6 others (norms, embedding; rlsys.sync.verify).
 COMPARABLE_TENSORS = 6 if cpu_packs_linear_weights() else 21
+# What a TP=2 actor sends of the AMX-packed linear weights as TP parts (rlsys.sync.parts): 14 of the layers, two
+# parts each, and lm_head's one (TP rank 1 holds only padding rows of the 35-token vocabulary).
+PACKED_PARTS = 29 if cpu_packs_linear_weights() else 0
 
 # The shape of the e2e runs: llama (SGLang's Llama class answers get_weights_by_name, which sync.verify
 # reads), the synthetic task's 35-token vocabulary, untied embeddings.
@@ -60,13 +63,13 @@ def start_sglang(
     index: int = 0,
     engines: int = 1,
     extra: tuple = (),
-    delta: bool = False,
+    loader: bool = True,
 ) -> tuple[ServerProcess, EngineClient]:
     """A real SGLang CPU server the way ``rlsys.rollout.launch`` starts one, healthy and version-checked
-    (``delta``: with rlsys's delta loader, as for ``rollout.sync.delta``)."""
+    (``loader``: with rlsys's loader, as for TP parts and ``rollout.sync.delta``)."""
     log_file = os.path.join(log_dir, f"sglang_{index}.log")  # appended to by every start
     server = local_cpu_sglang(
-        python, model, log_file, tp=tp, index=index, engines=engines, seed=7 + index, extra_args=extra, delta=delta
+        python, model, log_file, tp=tp, index=index, engines=engines, seed=7 + index, extra_args=extra, loader=loader
     )
     server.start()
     try:

@@ -2,6 +2,7 @@
 both bucket formats with SGLang's weight-update session, error answers, pause/flush/continue, memory release,
 and engines killed mid-generation and mid-sync."""
 
+import glob
 import json
 import os
 import signal
@@ -16,6 +17,8 @@ from rlsys.local_ranks import run_on_ranks
 from rlsys.rollout import protocol
 from rlsys.rollout.client import EngineClient
 from rlsys.rollout.pool import EnginePool
+from rlsys.rollout.sglang_env import sglang_cpu_leftovers
+from rlsys.sync.verify import cpu_packs_linear_weights
 
 pytestmark = [pytest.mark.dist, pytest.mark.sglang]
 
@@ -59,6 +62,7 @@ def _trainer(hf_dir, url, layout, opts, out_dir):
         transports=[opts.get("transport", "broadcast")] if rank0 else [],
         pause_mode=opts.get("pause_mode", "abort"),
         delta=opts.get("delta", False),
+        shards=opts.get("shards", "auto"),
     )
     sync.version = opts.get("version", 1) - 1  # sync() increments it
     result = {"rank": dist.get_rank()}
@@ -68,9 +72,9 @@ def _trainer(hf_dir, url, layout, opts, out_dir):
     start = time.perf_counter()
     try:
         stats = sync.sync(worker.engine.chunks)
-        result.update(buckets=stats.buckets, tensors=stats.tensors, bytes=stats.bytes)
-        result["rounds"] = [_changed_sync(worker, sync, r) for r in range(opts.get("rounds", 0))]
-        if opts.get("rounds"):
+        result.update(buckets=stats.buckets, tensors=stats.tensors, bytes=stats.bytes, parts=sync.parts)
+        result["rounds"] = [_changed_sync(worker, sync, r, topo) for r in range(opts.get("rounds", 0))]
+        if opts.get("rounds") or opts.get("compare"):
             result["differ"] = _engine_differs(client, worker, topo)
         if rank0:
             result["verified"] = [(r.method, r.checked) for r in sync.last_verification]
@@ -99,13 +103,16 @@ def _trainer(hf_dir, url, layout, opts, out_dir):
 
 
 @torch.no_grad()
-def _changed_sync(worker, sync, round_: int) -> dict:
+def _changed_sync(worker, sync, round_: int, topo) -> dict:
     """Change a sparse, round-dependent 2% of every parameter's elements (enough to change them in bf16 too),
-    then sync: what a delta sync sends as deltas."""
+    then sync: what a delta sync sends as deltas. In round 1 only TP rank 0's shards change: the other TP
+    parts of a tensor are then not sent at all, and SGLang's side completes the tensor from what it kept."""
     g = torch.Generator().manual_seed(round_)
     for p in (p for chunk in worker.engine.chunks for p in chunk.parameters()):
         flat = p.data.view(-1)
-        picked = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 50)]
+        picked = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 50)]  # replicas stay equal
+        if round_ == 1 and topo.tp_rank != 0 and getattr(p, "tensor_model_parallel", False):
+            continue
         flat[picked] = flat[picked] * 1.5 + 0.01
     stats = sync.sync(worker.engine.chunks)
     return dict(bytes=stats.bytes, full=stats.full)
@@ -203,22 +210,63 @@ def test_generate_returns_logprobs_of_the_sampled_tokens(sglang_engine):
         {"load_format": "per_tensor", "transport": "broadcast"},
         {"transport": "tensor"},  # colocated: update_weights_from_tensor, a flattened bucket inline
         {"transport": "broadcast", "dtype": "bf16"},
+        {"transport": "broadcast", "shards": "gather"},
     ],
-    ids=["broadcast-flattened", "broadcast-per-tensor", "colocated-tensor", "bf16-trainer"],
+    ids=["broadcast-flattened", "broadcast-per-tensor", "colocated-tensor", "bf16-trainer", "gathered"],
 )
 def test_sync_from_tp2_delivers_the_weights_verified(sglang_engine, trained, tmp_path, opts):
+    """Into a broadcast group each TP rank sends its own parts of every TP-split tensor, over its own group, and
+    rlsys's loader in SGLang puts them together (``shards: gather``: TP ranks gather first; colocated engines
+    always take whole tensors); every tensor SGLang then serves equals the trainer's."""
     _, client = sglang_engine
     before = client.weight_version()
-    reports = run_sync(trained, client.url, tmp_path, logprobs=True, **opts)
+    reports = run_sync(trained, client.url, tmp_path, logprobs=True, compare=True, **opts)
     sender = reports[0]
     assert "error" not in sender, sender
-    assert sender["buckets"] >= 2 and sender["tensors"] == 21  # 2 layers x 9 + embed + norm + lm_head
-    # every comparable tensor was compared (all 21 unless SGLang packs linear weights for AMX)
-    assert sender["verified"] == [["sampled", COMPARABLE_TENSORS]]
+    parts = opts["transport"] == "broadcast" and opts.get("shards") != "gather"
+    assert sender["parts"] == parts
+    # 21 tensors: 2 layers x 9 + embed + norm + lm_head; in parts, the 14 TP-split ones of the layers as 2 parts
+    # each, one from each TP rank (rank 0 counts every bucket it announces), and the vocab ones as 1 (TP rank 1
+    # holds only padding rows of the 35-token vocabulary)
+    assert sender["buckets"] >= 2 and sender["tensors"] == (35 if parts else 21)
+    assert sender["differ"] == []  # every tensor SGLang serves, read back whole, equals the trainer's in bf16
+    method, checked = sender["verified"][0]
+    assert method == "sampled" and checked >= (COMPARABLE_TENSORS if not parts else 1), sender["verified"]
     diffs = [r["logprob_diff_max"] for r in reports if "logprob_diff_max" in r]
     assert diffs and max(diffs) < LOGPROB_BOUND[opts.get("dtype", "fp32")], diffs
     assert client.weight_version() == "1" != before or before == "1"
     assert [r["versions"] for r in reports if "versions" in r] == [["1"]]
+
+
+@pytest.mark.parametrize("layout", [{}, {"tp": 2}], ids=["tp1", "tp2-parts"])
+def test_a_model_with_qkv_biases_syncs_again_after_sglang_cpu_re_packed_them(sglang_py, tmp_path, layout):
+    """SGLang's CPU backend with AMX leaves the biases it re-packed without their loaders, and the next update
+    of Qwen2's q/k/v biases fails in SGLang's own loader; rlsys's loader in its process mends them. Two syncs
+    (the second after the first one's session re-packed everything), then the engine's log-probs match."""
+    from tiny_models import make_tiny_hf_checkpoint
+
+    from rlsys.data.synthetic import SyntheticTokenizer
+
+    shape = {k: v for k, v in TINY_LLAMA.items() if k != "tie_word_embeddings"}
+    ckpts = []
+    for seed, name in ((5, "start"), (99, "trained")):
+        ckpts.append(make_tiny_hf_checkpoint("qwen2", str(tmp_path / name), seed=seed, **shape))
+        SyntheticTokenizer().save_pretrained(ckpts[-1])
+    server, client = start_sglang(sglang_py, ckpts[0], str(tmp_path))
+    segments = sglang_cpu_leftovers(int(server.url.rsplit(":", 1)[1]))
+    try:
+        world = max(1, layout.get("tp", 1))
+        reports = [run_sync(ckpts[1], client.url, tmp_path, world, layout, verify=False, logprobs=True) for _ in "ab"]
+        held = [p for pattern in segments for p in glob.glob(pattern)]  # SGLang's all-reduce buffer (with AMX)
+    finally:
+        server.stop()
+    assert len(held) == 1 or not cpu_packs_linear_weights()  # named after its port
+    assert [p for pattern in segments for p in glob.glob(pattern)] == []  # and removed when it stopped
+    for sync in reports:
+        assert "error" not in sync[0], sync[0]
+        diffs = [r["logprob_diff_max"] for r in sync if "logprob_diff_max" in r]
+        assert diffs and max(diffs) < LOGPROB_BOUND["fp32"], diffs
+    assert reports[0][0]["parts"] == bool(layout)
 
 
 def test_sync_from_pp2_each_stage_into_its_own_group_delivers_the_weights_verified(sglang_engine, trained, tmp_path):
@@ -283,10 +331,11 @@ def test_a_sync_that_parks_the_requests_continues_them_on_the_new_weights(sglang
     "opts", [{"dtype": "bf16"}, {"load_format": "per_tensor"}], ids=["bf16-flattened", "fp32-per-tensor"]
 )
 def test_delta_syncs_into_sglang_keep_every_tensor_equal_to_the_trainer(sglang_py, tiny_llama, trained, tmp_path, opts):
-    """rlsys's loader in SGLang (``rlsys.rollout.sglang_delta``) rebuilds each delta's whole tensor: after one full
-    sync and three of 2% changes each, every tensor SGLang serves equals the trainer's (cast to bf16) exactly,
-    and each delta sync sent a small share of the full one's bytes."""
-    server, client = start_sglang(sglang_py, tiny_llama, str(tmp_path), delta=True)
+    """rlsys's loader in SGLang (``rlsys.rollout.in_sglang.loader``) rebuilds each delta of each TP part and puts the
+    parts together (a tensor of which one part changed from what it kept of the other): after one full sync and
+    three of 2% changes each, every tensor SGLang serves equals the trainer's (cast to bf16) exactly, and each
+    delta sync sent a small share of the full one's bytes."""
+    server, client = start_sglang(sglang_py, tiny_llama, str(tmp_path))
     try:
         reports = run_sync(trained, client.url, tmp_path, delta=True, rounds=3, verify=True, **opts)
     finally:
@@ -295,15 +344,25 @@ def test_delta_syncs_into_sglang_keep_every_tensor_equal_to_the_trainer(sglang_p
     assert "error" not in sender, sender
     assert [r["full"] for r in sender["rounds"]] == [False] * 3
     assert all(0 < r["bytes"] < sender["bytes"] / 4 for r in sender["rounds"]), (sender["rounds"], sender["bytes"])
-    assert sender["differ"] == [] and sender["verified"] == [["sampled", COMPARABLE_TENSORS]]
+    assert sender["parts"] and sender["differ"] == [] and sender["verified"][0][0] == "sampled"
+    assert sender["rounds"][1]["bytes"] < sender["rounds"][0]["bytes"]  # round 1: TP rank 0's parts only
 
 
-def test_delta_into_sglang_without_the_loader_is_refused_at_once(sglang_engine, trained, tmp_path):
-    _, client = sglang_engine
-    reports = run_sync(trained, client.url, tmp_path, delta=True)
-    assert all("rollout.sync.delta" in r["error"] and "--custom-weight-loader" in r["error"] for r in reports)
-    assert max(r["seconds"] for r in reports) < 10, reports
-    assert "error" not in run_sync(trained, client.url, tmp_path)[0]  # nothing was left paused or half-sent
+def test_sglang_without_the_loader_refuses_delta_and_parts_at_once_and_takes_gathered_tensors(
+    sglang_py, tiny_llama, trained, tmp_path
+):
+    """An attached SGLang started without rlsys's loader: ``delta`` and ``shards: parts`` fail the first sync at
+    once, naming the key; ``shards: auto`` gathers on the trainer and delivers whole tensors."""
+    server, client = start_sglang(sglang_py, tiny_llama, str(tmp_path), loader=False)
+    try:
+        for opts, key in (({"delta": True}, "rollout.sync.delta"), ({"shards": "parts"}, "rollout.sync.shards")):
+            reports = run_sync(trained, client.url, tmp_path, **opts)
+            assert all(key in r["error"] and "--custom-weight-loader" in r["error"] for r in reports), reports
+            assert max(r["seconds"] for r in reports) < 10, reports
+        reports = run_sync(trained, client.url, tmp_path, compare=True)  # nothing was left paused or half-sent
+    finally:
+        server.stop()
+    assert "error" not in reports[0] and not reports[0]["parts"] and reports[0]["differ"] == [], reports[0]
 
 
 def test_release_and_resume_memory_then_resync(sglang_engine, trained, tmp_path):

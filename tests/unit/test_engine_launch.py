@@ -2,6 +2,7 @@
 
 import os
 import socket
+import time
 
 import pytest
 
@@ -18,6 +19,7 @@ from rlsys.rollout.launch import (
     engine_threads,
     sglang_command,
     sglang_cpu_env,
+    sglang_cpu_leftovers,
     weight_peers,
 )
 
@@ -39,7 +41,7 @@ def test_attention_backend_follows_the_instruction_set():
 def test_the_attention_backend_follows_the_checkpoints_head_size(tmp_path, monkeypatch):
     import json
 
-    monkeypatch.setattr("rlsys.rollout.launch.cpu_flags", lambda: AMX)  # as on an AMX machine, wherever this runs
+    monkeypatch.setattr("rlsys.rollout.sglang_env.cpu_flags", lambda: AMX)  # as on an AMX machine, wherever this runs
     from rlsys.rollout.launch import attention_head_dims
 
     (tmp_path / "config.json").write_text(
@@ -154,8 +156,14 @@ def test_cpu_sglang_command_carries_its_environment(tmp_path):
     (venv / "lib").mkdir()
     (venv / "lib" / "libiomp5.so").write_bytes(b"")
     python = str(venv / "bin" / "python")
-    env = sglang_cpu_env(python, "0|1")
+    env = sglang_cpu_env(python, "0|1", 30001)
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1"
+    # its /dev/shm segments are named after the server's port, so that stopping it removes them
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "30001")
+    segment = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_30001"  # sgl-kernel: _<uid>_<addr>_<port>
+    assert sglang_cpu_leftovers(30001) == [segment, f"{segment}_*"]
+    with pytest.raises(ConfigError, match=r"rollout.sglang_env.MASTER_PORT.*rlsys sets it per server"):
+        load_config(None, ["rollout.engine=sglang", "rollout.sglang_env.MASTER_PORT=29500"])
     assert env["LD_PRELOAD"].split(":")[0] == str(venv / "lib" / "libiomp5.so")
     cmd = sglang_command(
         "/m",
@@ -237,3 +245,44 @@ def test_plan_says_how_each_engine_gets_its_weights(capsys):
     out = capsys.readouterr().out
     assert "engine 3: node:device 0:6, 0:7; weights by tensor" in out  # colocated with actor rank 0's node
     assert "engine 4: node:device 1:0, 1:1; weights by broadcast" in out
+
+
+def test_a_stopped_server_leaves_no_leftovers_behind(tmp_path):
+    """``ServerProcess.leftovers``: files the server never removes (SGLang CPU's /dev/shm segments) go when it
+    stops, and a dead predecessor's on the same port before it starts."""
+    from rlsys.rollout.process import ServerProcess
+
+    stale, ours, neighbour = tmp_path / "seg_0_7", tmp_path / "seg_1_7", tmp_path / "seg_1_77"  # port 77's
+    stale.write_bytes(b"x")
+    neighbour.write_bytes(b"z")
+    (tmp_path / "seg_2_7").mkdir()  # a match it cannot remove is reported, not raised
+    command = ["bash", "-c", f"echo y > {ours}; sleep 60"]
+    server = ServerProcess(command, "http://127.0.0.1:7", leftovers=[str(tmp_path / "seg_*_7")])
+    server.start()
+    assert not stale.exists()
+    for _ in range(100):
+        if ours.exists():
+            break
+        time.sleep(0.05)
+    assert ours.exists()
+    server.stop(grace_s=1)
+    assert sorted(os.listdir(tmp_path)) == ["seg_1_77", "seg_2_7"]
+
+
+def test_the_watchdog_of_a_dead_host_stops_its_server_and_removes_the_leftovers(tmp_path):
+    """``rlsys.rollout.remote``'s watchdog: once the EngineHost that started it is gone (here: a host pid that
+    is not its parent), it stops the server's process group and removes what the server leaves behind."""
+    import subprocess
+    import sys
+
+    from rlsys.rollout.remote import _WATCHDOG
+
+    (tmp_path / "seg_0_7").write_bytes(b"x")
+    server = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    pattern = str(tmp_path / "seg_*_7")
+    not_its_parent = str(os.getpid() + 10**6)
+    watchdog = subprocess.run(
+        [sys.executable, "-c", _WATCHDOG, not_its_parent, str(server.pid), "1", pattern], timeout=30
+    )
+    assert watchdog.returncode == 0 and server.wait(timeout=5) is not None
+    assert os.listdir(tmp_path) == []

@@ -44,3 +44,17 @@ def test_a_sync_failure_with_every_engine_alive_is_raised():
     with pytest.raises(RuntimeError, match="weight sync 3 failed"):
         sync_or_recover(actor, Pool(actor, dead=False), 3)
     assert sync_or_recover(Actor(fail=False), None, 4) == {"sync/seconds": 0.1}
+
+
+def test_every_sync_setting_reaches_the_weight_sync():
+    """``DistributedWeightSync.from_config`` hands over every key of ``rollout.sync``: one its constructor does not
+    take would fail the first run, never be dropped (``shards`` once was)."""
+    import dataclasses
+    import inspect
+
+    from rlsys.config.schema import SyncConfig
+    from rlsys.sync.distributed import DistributedWeightSync
+
+    taken = set(inspect.signature(DistributedWeightSync.__init__).parameters)
+    resolved_per_run = {"transport"}  # rlsys.plan.sync_transports picks each engine's: the transports argument
+    assert {f.name for f in dataclasses.fields(SyncConfig)} - resolved_per_run <= taken

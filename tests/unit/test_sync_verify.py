@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from rlsys.rollout.client import EngineError
+from rlsys.sync import parts
 from rlsys.sync.verify import (
     GET_WEIGHTS_BY_NAME,
     WEIGHTS_CHECKSUM,
@@ -39,11 +40,14 @@ class FakeEngine:
     def request(self, method, endpoint, *, json=None, params=None, timeout_s=None):
         self.calls.append(endpoint)
         if endpoint == WEIGHTS_CHECKSUM and self.checksum_endpoint:
+            held = dict(self.weights)
+            for name in (json or {}).get("parts", []):  # the TP parts asked for: their slices of the tensors
+                held[name] = parts.region(self.weights[parts.split(name)[0]], name)
             return {
                 "success": True,
                 "weight_version": self.version,
-                "checksums": {n: tensor_checksum(t) for n, t in self.weights.items()},
-                "dtypes": {n: str(t.dtype).removeprefix("torch.") for n, t in self.weights.items()},
+                "checksums": {n: tensor_checksum(t) for n, t in held.items()},
+                "dtypes": {n: str(t.dtype).removeprefix("torch.") for n, t in held.items()},
             }
         if endpoint == GET_WEIGHTS_BY_NAME and self.readable and json["name"] in self.weights:
             return self.weights[json["name"]].float().tolist()[: json["truncate_size"]]
@@ -231,3 +235,36 @@ def test_sample_difference():
     assert "shape" in sample_difference(ours, ours[:1].tolist())
     assert sample_difference(ours, [[float("nan"), -2.0], [0.0, 3.0]]) is not None
     assert "not a numeric array" in sample_difference(ours, {"detail": "x"})
+
+
+def _tp_parts(tensors: dict, dim: int) -> dict:
+    """Each tensor as the two TP parts along ``dim`` that two trainer ranks send."""
+    out = {}
+    for name, t in tensors.items():
+        size = t.shape[dim] // 2
+        for r, chunk in enumerate(t.chunk(2, dim)):
+            out[parts.part_name(name, dim, r * size, size, t.shape[dim])] = chunk
+    return out
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_tp_parts_are_hashed_and_sampled_as_the_slices_they_are(dim):
+    sent = trainer_tensors(n=3)
+    cpu, sglang = FakeEngine("http://cpu", sent), FakeEngine("http://sgl", sent, checksum_endpoint=False)
+    views = probe_engines([cpu, sglang])
+    trainer = fed(TrainerChecksums.for_engines(views), _tp_parts(sent, dim))
+    # rows from row 0 (the first part) or columns (both) are read back by name; later rows are not readable
+    assert len(trainer.samples) == (3 if dim == 0 else 6)
+    reports = verify_engines([cpu, sglang], trainer)
+    assert [(r.method, r.checked) for r in reports] == [("checksum", 6), ("sampled", len(trainer.samples))]
+    # a part the engine holds otherwise, and a tensor no part of which was sent, are both named
+    name, half = "model.layers.0.mlp.down_proj.weight", sent["model.layers.0.mlp.down_proj.weight"].shape[dim] // 2
+    cpu.weights[name].narrow(dim, half, half).fill_(7.0)
+    sglang.weights[name].narrow(dim, 0, half).fill_(7.0)
+    cpu.weights["model.norm.weight"] = torch.ones(4)
+    with pytest.raises(WeightSyncMismatch) as e:
+        verify_engines([cpu, sglang], trainer)
+    bad = {r.url: r for r in e.value.reports}
+    assert bad["http://cpu"].different == [f"{name}@part/{dim}/{half}/{half}/{2 * half} (bfloat16)"]
+    assert bad["http://cpu"].extra == ["model.norm.weight"]
+    assert [d.split(" ")[0] for d in bad["http://sgl"].different] == [f"{name}@part/{dim}/0/{half}/{2 * half}"]

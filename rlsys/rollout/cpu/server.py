@@ -7,8 +7,9 @@ CPU: ``/generate`` (see ``cpu_generate``), the weight updates (``init_weights_up
 ``update_weights_from_distributed`` over a gloo group, ``update_weights_from_tensor``,
 ``update_weights_from_disk``), ``pause_generation``/``continue_generation``, ``flush_cache``,
 ``release_memory_occupation``/``resume_memory_occupation``, ``get_weights_by_name``, ``weights_checker``.
-rlsys extension: ``/weights_checksum`` returns ``sync.wire.tensor_checksum`` of every tensor by checkpoint
-name (and its dtype), for ``sync.verify``.
+rlsys extensions: ``/weights_checksum`` returns ``sync.wire.tensor_checksum`` of every tensor by checkpoint
+name (and its dtype), and of the TP parts its ``parts`` names, for ``sync.verify``; weight updates take TP parts
+and deltas (``rlsys.sync.parts``, ``rlsys.sync.delta``) as well as whole tensors.
 
 Threads: aiohttp answers on the event loop; model work runs in worker pools (generation and control kept
 apart, so parked requests never starve a weight update). ``cpu_generate.Gate`` plays SGLang's
@@ -42,7 +43,13 @@ from rlsys.host_threads import own_threads, single_threaded
 from rlsys.lifetime import exit_with_parent
 from rlsys.rollout.cpu.generate import Gate, Generator, parse_request
 from rlsys.rollout.cpu.routing import server_capture
-from rlsys.rollout.cpu.weights import HFWeights, WeightUpdateError, decode_tensor_payload, view_bytes
+from rlsys.rollout.cpu.weights import (
+    HFWeights,
+    WeightUpdateError,
+    decode_tensor_payload,
+    grown_buffer,
+    receive_flat,
+)
 from rlsys.sync.process_group import destroy_custom_process_group, init_custom_process_group
 from rlsys.sync.wire import dtype_from_str
 
@@ -87,7 +94,8 @@ class CPUEngine:
         self.released: dict | None = None  # param name -> (backup tensor or None, shape, dtype)
         self.snapshot: dict | None = None
         self.session: str | None = None  # the open weight-update session's selector (SGLang 0.5.21+)
-        self.flat = torch.empty(0, dtype=torch.uint8)  # flattened buckets land here (see _grown)
+        # flattened buckets land here, and the tensors of per-tensor buckets that are copied after (see grown_buffer)
+        self.flat = torch.empty(0, dtype=torch.uint8)
 
     def _next_seed(self) -> int:
         with self.seed_lock:
@@ -220,11 +228,15 @@ class CPUEngine:
             if body.get("load_format") != "flattened_bucket":
                 return self._receive_in_place(pg, names, dtypes, shapes, body)
             try:
-                self.flat = _grown(self.flat, sum(math.prod(s) * d.itemsize for d, s in zip(dtypes, shapes)))
-                tensors = _receive_flat(pg, self.flat, dtypes, shapes)
+                self.flat = grown_buffer(self.flat, sum(math.prod(s) * d.itemsize for d, s in zip(dtypes, shapes)))
+                tensors = receive_flat(pg, self.flat, dtypes, shapes)
             except Exception as e:
                 return _result(False, f"receiving the broadcast failed: {e}")
             return self._load(list(zip(names, tensors)), body, "Succeeded to update parameter online.")
+
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        self.flat = grown_buffer(self.flat, nbytes)
+        return self.flat[:nbytes]
 
     def _receive_in_place(self, pg, names: list, dtypes: list, shapes: list, body: dict) -> web.Response:
         """Per-tensor broadcasts straight into the model's parameters where names, shapes and dtypes allow:
@@ -232,21 +244,24 @@ class CPUEngine:
         failed sync leaves the model anyway; the pool re-sends everything after a failure)."""
         refused, copies, skipped = None, [], []
         try:
-            into, copies, skipped = self.weights.receive_plan(list(zip(names, dtypes, shapes)))
+            into, copies, skipped = self.weights.receive_plan(list(zip(names, dtypes, shapes)), self._scratch)
         except WeightUpdateError as e:
             refused = f"Failed to update weights: {e}"
         if self.released is not None:
             refused = "the weights are released: resume 'weights' before updating them"
         if refused is not None:  # still join the broadcast, so that the group stays usable
             into, copies = [torch.empty(s, dtype=d) for d, s in zip(dtypes, shapes)], []
+        after = {id(src): (dst, src, name) for dst, src, name in copies}  # what to copy once a tensor is in
         try:
-            for work in [dist.broadcast(t, src=0, group=pg, async_op=True) for t in into]:
+            works = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in into]
+            for t, work in zip(into, works):
                 work.wait()
+                if refused is None and id(t) in after:  # a cast, a delta or a TP column part: while the next arrives
+                    self.weights.write([after.pop(id(t))])
         except Exception as e:
             return _result(False, f"receiving the broadcast failed: {e}")
         if refused is not None:
             return _result(False, refused)
-        self.weights.write(copies)
         message = "Succeeded to update parameter online."
         if skipped:
             message += f" Skipped {len(skipped)} tensor(s) the model does not hold: {', '.join(skipped[:5])}."
@@ -352,7 +367,10 @@ class CPUEngine:
             if self.released is not None:
                 return _result(False, "the weights are released")
             try:
-                sums, dtypes = self.weights.checksums(body.get("names"))
+                parts = body.get("parts") or []
+                if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
+                    return _result(False, "'parts' must be a list of TP part names (rlsys.sync.parts)")
+                sums, dtypes = self.weights.checksums(body.get("names"), parts)
             except WeightUpdateError as e:
                 return _result(False, str(e))
         return _result(
@@ -394,22 +412,6 @@ def _digest(parts) -> str:
     for p in parts:
         h.update(p.encode())
     return h.hexdigest()
-
-
-def _grown(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """The engine's receive buffer, grown to ``nbytes`` if needed: kept between buckets and syncs, since a
-    fresh one costs a page fault per 4 KiB of every bucket (as much as the copy into the model)."""
-    return buffer if buffer.numel() >= nbytes else torch.empty(nbytes, dtype=torch.uint8)
-
-
-def _receive_flat(pg, buffer: torch.Tensor, dtypes: list, shapes: list) -> list[torch.Tensor]:
-    """Receive a ``flattened_bucket`` from group rank 0 (one uint8 broadcast of the tensors' bytes
-    concatenated) into the front of ``buffer``; the tensors are views into it, valid until the next bucket."""
-    sizes = [math.prod(s) * d.itemsize for d, s in zip(dtypes, shapes)]
-    flat = buffer[: sum(sizes)]
-    dist.broadcast(flat, src=0, group=pg)
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [view_bytes(flat[o : o + n], d, s) for o, n, d, s in zip(offsets, sizes, dtypes, shapes)]
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

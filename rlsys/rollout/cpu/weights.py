@@ -20,15 +20,20 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
+import math
 import pickle
 import re
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from rlsys.sync.delta import apply_delta
 from rlsys.sync.delta import check as check_delta
 from rlsys.sync.delta import split as split_delta
+from rlsys.sync.parts import region as part_region
+from rlsys.sync.parts import split as split_part
 from rlsys.sync.wire import dtype_from_str, tensor_checksum
 
 # Per-expert checkpoint names and the fused in-memory tensors they live in.
@@ -121,15 +126,21 @@ class HFWeights:
         slot = self.resolve(name, state)
         return None if slot is None else self.view(slot, state)
 
-    def checksums(self, names: list[str] | None = None) -> tuple[dict[str, str], dict[str, str]]:
-        """``({name: tensor_checksum}, {name: dtype})`` over checkpoint names (all of them by default)."""
+    def checksums(self, names: list[str] | None = None, parts=()) -> tuple[dict[str, str], dict[str, str]]:
+        """``({name: tensor_checksum}, {name: dtype})`` over checkpoint names (all of them by default), and over
+        the TP ``parts`` named (``rlsys.sync.parts``: the slice of its tensor each names)."""
         state = self._state()
         sums, dtypes = {}, {}
-        for name in self.names() if names is None else names:
-            slot = self.resolve(name, state)
-            if slot is None:
+        for name in [*(self.names() if names is None else names), *parts]:
+            try:
+                part = split_part(name)
+                slot = self.resolve(name if part is None else part[0], state)
+                t = None if slot is None else self.view(slot, state)
+                t = t if t is None or part is None else part_region(t, name)
+            except ValueError as e:
+                raise WeightUpdateError(str(e)) from e
+            if t is None:
                 raise WeightUpdateError(f"the model has no tensor named {name!r}")
-            t = self.view(slot, state)
             sums[name], dtypes[name] = tensor_checksum(t), str(t.dtype).removeprefix("torch.")
         return sums, dtypes
 
@@ -157,18 +168,26 @@ class HFWeights:
 
     def _target(self, name: str, shape, dtype, state) -> tuple[torch.Tensor | None, str | None]:
         """``(the model's tensor for name, None)``, or ``(None, "skip" | "unknown" | what is wrong)``.
-        A delta sync's encoded delta (``rlsys.sync.delta``) targets the tensor it names."""
+        A delta sync's encoded delta (``rlsys.sync.delta``) targets the tensor it names, a TP part
+        (``rlsys.sync.parts``) its rows or columns of the tensor."""
         try:
             delta = split_delta(name)
-        except ValueError as e:  # a malformed delta name: refused like a wrong shape, before any broadcast
+            target = name if delta is None else delta[0]
+            part = split_part(target)
+        except ValueError as e:  # a malformed delta or part name: refused like a wrong shape, before any broadcast
             return None, str(e)
-        target = name if delta is None else delta[0]
-        if (self.tied and target == "lm_head.weight") or any(s in target for s in SKIPPED_NAMES):
+        whole = target if part is None else part[0]
+        if (self.tied and whole == "lm_head.weight") or any(s in whole for s in SKIPPED_NAMES):
             return None, "skip"
-        slot = self.resolve(target, state)
+        slot = self.resolve(whole, state)
         if slot is None:
             return None, "unknown"
         dst = self.view(slot, state)
+        if part is not None:
+            try:
+                dst = part_region(dst, target)
+            except ValueError as e:
+                return None, str(e)
         if delta is not None:
             try:
                 check_delta(name, dst.numel(), shape, dtype)
@@ -188,17 +207,18 @@ class HFWeights:
             else:
                 apply_delta(dst, name, src)
 
-    def receive_plan(self, specs: list[tuple[str, torch.dtype, list]]) -> tuple[list, list, list[str]]:
+    def receive_plan(self, specs: list[tuple[str, torch.dtype, list]], scratch=None) -> tuple[list, list, list[str]]:
         """Where a per-tensor broadcast of ``specs`` (name, dtype, shape) can land: ``(into, copies, skipped)``.
 
         ``into[i]`` receives tensor ``i``: the model's own storage when the name resolves to a contiguous view
-        of the same dtype (no copy after the broadcast), else a fresh tensor that ``write(copies)`` casts (or,
-        for an encoded delta, applies) into the model afterwards. Unknown names and wrong shapes raise
-        ``WeightUpdateError`` naming them all, before anything is received (the caller still joins the
-        broadcast, into scratch tensors).
+        of the same dtype (no copy after the broadcast), else a tensor that ``write(copies)`` casts (or, for an
+        encoded delta, applies; for a TP column part, copies) into the model afterwards. Those lie in one uint8
+        buffer that ``scratch(nbytes)`` returns (the caller keeps it between buckets: a fresh one costs a page fault
+        per 4 KiB), fresh tensors without it. Unknown names and wrong shapes raise ``WeightUpdateError`` naming
+        them all, before anything is received (the caller still joins the broadcast, into scratch tensors).
         """
         state = self._state()
-        into, copies, skipped, unknown, bad = [], [], [], [], []
+        into, copies, skipped, unknown, bad, spare = [], [], [], [], [], []
         for name, dtype, shape in specs:
             dst, problem = self._target(name, shape, dtype, state)
             if problem == "unknown":
@@ -208,14 +228,17 @@ class HFWeights:
             elif dst is not None and dst.dtype == dtype and dst.is_contiguous() and split_delta(name) is None:
                 into.append(dst)
             else:
-                into.append(torch.empty(shape, dtype=dtype))
+                spare.append((len(into), dtype, shape))
+                into.append(None)
                 if dst is None:
                     skipped.append(name)
                 else:
-                    copies.append((dst, into[-1], name))
+                    copies.append((dst, len(into) - 1, name))
         if unknown or bad:
             raise WeightUpdateError(_describe_failures(unknown, bad))
-        return into, copies, skipped
+        for (i, _, _), tensor in zip(spare, scratch_tensors([(d, s) for _, d, s in spare], scratch)):
+            into[i] = tensor
+        return into, [(dst, into[i], name) for dst, i, name in copies], skipped
 
     def _shape_error(self, name: str, got: tuple, want: tuple) -> str:
         if want[0] == self.vocab_size and len(got) == len(want) and got[1:] == want[1:]:
@@ -253,6 +276,36 @@ def check_conversions(model: torch.nn.Module) -> None:
                 f"transformers loads {model.config.model_type} checkpoints with the conversion {spec}, "
                 "which the CPU engine's name mapping (rlsys/rollout/cpu/weights.py) does not implement"
             )
+
+
+def scratch_tensors(specs: list[tuple[torch.dtype, list]], scratch=None) -> list[torch.Tensor]:
+    """Tensors of ``specs`` (dtype, shape), laid out one after the other (64-byte aligned) in ``scratch(nbytes)``,
+    or fresh ones without it."""
+    if scratch is None:
+        return [torch.empty(shape, dtype=dtype) for dtype, shape in specs]
+    sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in specs]
+    starts = [0, *itertools.accumulate(-(-n // 64) * 64 for n in sizes)][: len(sizes)]
+    buffer = scratch(starts[-1] + sizes[-1] if specs else 0)
+    return [buffer[o : o + n].view(d).reshape(s) for o, n, (d, s) in zip(starts, sizes, specs)]
+
+
+# ---- update_weights_from_distributed: the flattened bucket ----
+
+
+def grown_buffer(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The engine's receive buffer, grown to ``nbytes`` if needed: kept between buckets and syncs, since a
+    fresh one costs a page fault per 4 KiB of every bucket (as much as the copy into the model)."""
+    return buffer if buffer.numel() >= nbytes else torch.empty(nbytes, dtype=torch.uint8)
+
+
+def receive_flat(pg, buffer: torch.Tensor, dtypes: list, shapes: list) -> list[torch.Tensor]:
+    """Receive a ``flattened_bucket`` from group rank 0 (one uint8 broadcast of the tensors' bytes
+    concatenated) into the front of ``buffer``; the tensors are views into it, valid until the next bucket."""
+    sizes = [math.prod(s) * d.itemsize for d, s in zip(dtypes, shapes)]
+    flat = buffer[: sum(sizes)]
+    dist.broadcast(flat, src=0, group=pg)
+    offsets = [0, *itertools.accumulate(sizes)][: len(sizes)]
+    return [view_bytes(flat[o : o + n], d, s) for o, n, d, s in zip(offsets, sizes, dtypes, shapes)]
 
 
 # ---- update_weights_from_tensor payloads ----
