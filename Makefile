@@ -26,15 +26,19 @@ endif
 # The whole CPU suite: unit tests, the multi-process (gloo) tests, and the tests against the real
 # SGLang server (CPU backend, built from ../shared/sglang-cpu where this CPU has AVX-512 BF16). The
 # SGLang contract environment (sglang's request classes, without its CUDA torch) is built once.
-# Whatever cannot be built here is skipped, and -rs prints each skip's reason in the summary.
+# Whatever cannot be built here is skipped, and -rs prints each skip's reason in the summary. The 30 slowest
+# tests are printed at the end, and every test's outcome and time go to $(RESULTS)/junit.xml.
+RESULTS := test-results
+PYTEST_REPORT = -rs --durations=30 --junitxml=$(RESULTS)/junit.xml
+
 test: install
 	@bash tests/contract/setup_sglang_contract.sh
 	@bash tests/sglang/setup_sglang_cpu.sh
 	@PYTHON=$(PY) bash tools/get_smollm2.sh >/dev/null || echo "SmolLM2-135M could not be fetched: its tests skip"
-	$(PY) -m pytest -q -rs $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q $(PYTEST_REPORT) $(PYTEST_ARGS) tests
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_REPORT) $(PYTEST_ARGS) tests
 
 test-slow: install
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) tests
@@ -55,4 +59,4 @@ lint: install
 	$(PY) -m ruff check rlsys tools tests benchmarks
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info $(RESULTS)
