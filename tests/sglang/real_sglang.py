@@ -80,3 +80,23 @@ def start_sglang(
     client = EngineClient(server.url, timeout_s=120)
     client.check_version()
     return server, client
+
+
+def wait_decoding(client: EngineClient, requests: int = 1, tokens: int = 8, timeout_s: float = 120.0) -> dict:
+    """Until SGLang decodes at least ``requests`` requests: its ``/v1/loads`` shows that many running and
+    ``tokens`` more per running request in the KV cache than when it first showed them (SGLang publishes the
+    snapshot at every prefill and every 15 decode steps). Returns the last snapshot; raises an ``AssertionError``
+    naming it after ``timeout_s``. How a test makes "a sync, pause or kill while requests are running" certain
+    instead of sleeping for it: requests of hundreds of forced tokens cannot end between this and the event."""
+    import time
+
+    deadline, base, load = time.monotonic() + timeout_s, None, None
+    while time.monotonic() < deadline:
+        load = client.request("GET", "/v1/loads", timeout_s=10)["loads"][0]
+        running, used = load["num_running_reqs"], load["num_used_tokens"]
+        if running < requests or base is None or base[0] != running or used < base[1]:
+            base = (running, used) if running >= requests else None
+        elif used >= base[1] + tokens * running:
+            return {k: load.get(k) for k in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens")}
+        time.sleep(0.05)  # polling an observable between reads, not waiting for it to happen
+    raise AssertionError(f"SGLang was not decoding {requests} requests within {timeout_s:g} s; last /v1/loads: {load}")

@@ -2,9 +2,10 @@
 # Build the real SGLang 0.5.23 (CPU backend) for the tests in tests/sglang, from ../shared/sglang-cpu.
 #
 # Usage: tests/sglang/setup_sglang_cpu.sh [VENV_DIR]   (default: <repo>/.sglang_cpu)
-# Never fails the caller: when SGLang cannot be set up here it writes VENV_DIR.skip with the one-line reason
-# (the tests skip quoting it) and exits 0; a ready environment is VENV_DIR/bin/python with the stamp
-# ../shared/sglang-cpu/setup.sh leaves.
+# Where SGLang cannot run here (no ../shared/sglang-cpu, a CPU without AVX-512 BF16) it writes VENV_DIR.skip with
+# the one-line reason (the tests skip quoting it, and `make test`'s summary shows it) and exits 0. Where it can run,
+# a failed set-up exits 1 and fails `make test`: a broken environment must not turn the real-SGLang tests into
+# skips. A ready environment is VENV_DIR/bin/python with the stamp ../shared/sglang-cpu/setup.sh leaves.
 #
 # shared/sglang-cpu/setup.sh insists on AMX-BF16 (for the intel_amx attention backend). SGLang's
 # torch_native backend serves with the same kernel build on AVX-512 + AVX512-BF16 CPUs without AMX
@@ -43,5 +44,10 @@ start=$(date +%s)
 out=$(bash "$script" "$V" 2>&1)
 rc=$?
 echo "$out" | tail -3
-[[ $rc -eq 0 ]] || skip "SGLang setup failed (exit $rc): $(echo "$out" | tail -1)"
+[[ $rc -eq 3 ]] && skip "$(echo "$out" | grep -m1 'lacks' || echo "$SHARED/setup.sh: this CPU cannot run SGLang's CPU backend")"
+if [[ $rc -ne 0 ]]; then
+  echo "$out" | tail -30 >&2
+  echo "SGLang's CPU set-up failed (exit $rc) on a CPU that can run it; see the lines above" >&2
+  exit 1
+fi
 echo "sglang-cpu environment ready in $(($(date +%s) - start)) s: $V"

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from real_sglang import COMPARABLE_TENSORS, TINY_LLAMA, start_sglang
+from real_sglang import COMPARABLE_TENSORS, TINY_LLAMA, start_sglang, wait_decoding
 
 from rlsys.local_ranks import run_on_ranks
 from rlsys.rollout import protocol
@@ -48,22 +48,27 @@ def _trainer(hf_dir, url, layout, opts, out_dir):
     client = EngineClient(url, timeout_s=120) if rank0 else None
     if rank0 and opts.get("kill_pid"):
         client = _KillOnFirstBucket(client, opts["kill_pid"])
-    sync = DistributedWeightSync(
-        topo,
-        worker.engine.arch,
-        [client] if rank0 else [],
-        [1] if rank0 else [],
-        bucket_mb=opts.get("bucket_mb", 0.05),
-        load_format=opts.get("load_format", "flattened_bucket"),
-        backend="gloo",
-        master_address="127.0.0.1",
-        timeout_s=opts.get("timeout_s", 120),
-        verify=opts.get("verify", True),
-        transports=[opts.get("transport", "broadcast")] if rank0 else [],
-        pause_mode=opts.get("pause_mode", "abort"),
-        delta=opts.get("delta", False),
-        shards=opts.get("shards", "auto"),
-    )
+
+    def make_sync(delta: bool, group_name: str = "rlsys_weight_sync"):
+        return DistributedWeightSync(
+            topo,
+            worker.engine.arch,
+            [client] if rank0 else [],
+            [1] if rank0 else [],
+            bucket_mb=opts.get("bucket_mb", 0.05),
+            load_format=opts.get("load_format", "flattened_bucket"),
+            backend="gloo",
+            master_address="127.0.0.1",
+            timeout_s=opts.get("timeout_s", 120),
+            verify=opts.get("verify", True),
+            transports=[opts.get("transport", "broadcast")] if rank0 else [],
+            pause_mode=opts.get("pause_mode", "abort"),
+            delta=delta,
+            shards=opts.get("shards", "auto"),
+            group_name=group_name,
+        )
+
+    sync = make_sync(opts.get("delta", False))
     sync.version = opts.get("version", 1) - 1  # sync() increments it
     result = {"rank": dist.get_rank()}
     inflight = None
@@ -73,7 +78,17 @@ def _trainer(hf_dir, url, layout, opts, out_dir):
     try:
         stats = sync.sync(worker.engine.chunks)
         result.update(buckets=stats.buckets, tensors=stats.tensors, bytes=stats.bytes, parts=sync.parts)
-        result["rounds"] = [_changed_sync(worker, sync, r, topo) for r in range(opts.get("rounds", 0))]
+        result["rounds"] = [_changed_sync(worker, sync, r, topo) for r in range(opts.get("rounds", 0) - 1)]
+        if opts.get("rounds"):  # the last round: what SGLang serves before and after it, and after a full sync
+            served = {"before": _served(client)}
+            result["rounds"].append(_changed_sync(worker, sync, opts["rounds"] - 1, topo))
+            served["after"] = _served(client)
+            full = make_sync(False, "rlsys_full_sync")
+            full.version = sync.version - 1
+            full.sync(worker.engine.chunks)
+            served["after_full_sync"] = _served(client)
+            full.disconnect()
+            result["served"] = served
         if opts.get("rounds") or opts.get("compare"):
             result["differ"] = _engine_differs(client, worker, topo)
         if rank0:
@@ -118,6 +133,17 @@ def _changed_sync(worker, sync, round_: int, topo) -> dict:
     return dict(bytes=stats.bytes, full=stats.full)
 
 
+def _served(client) -> list | None:
+    """Greedy tokens and log-probs SGLang serves for 4 fixed prompts (rank 0; ``None`` elsewhere): equal lists mean
+    equal weights, whether or not SGLang's CPU backend packed its linear weights (AMX), which then read back packed
+    and cannot be compared as tensors."""
+    if client is None:
+        return None
+    prompts = [[(7 * i + j) % TINY_LLAMA["vocab_size"] for j in range(12)] for i in range(4)]
+    outs = client.generate(prompts, {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True})
+    return [(o.output_ids, o.logprobs) for o in outs]
+
+
 def _engine_differs(client, worker, topo) -> list[str]:
     """The HF tensors the engine serves other than the trainer's cast to its bf16, compared whole and exactly
     (a collective: every rank takes part in the gathers, rank 0 compares)."""
@@ -136,7 +162,8 @@ def _engine_differs(client, worker, topo) -> list[str]:
 
 
 class _InFlight:
-    """16 long samples on the engine, started before a sync: the sync's pause must end them (abort)."""
+    """16 samples of 500 forced tokens on the engine, decoding when the sync starts (``wait_decoding``): they
+    cannot end before its pause, which must end them (abort) or park and continue them."""
 
     def __init__(self, client):
         self.outs = None
@@ -144,7 +171,7 @@ class _InFlight:
         prompts = [[5, 6, 7 + i] for i in range(8)]
         self.thread = threading.Thread(target=lambda: setattr(self, "outs", client.generate(prompts, params)))
         self.thread.start()
-        time.sleep(1.0)  # prefilled and decoding; 500 decode steps of 16 samples take several seconds here
+        self.loads = wait_decoding(client)
 
     def finish(self) -> list:
         self.thread.join(timeout=120)
@@ -346,6 +373,10 @@ def test_delta_syncs_into_sglang_keep_every_tensor_equal_to_the_trainer(sglang_p
     assert all(0 < r["bytes"] < sender["bytes"] / 4 for r in sender["rounds"]), (sender["rounds"], sender["bytes"])
     assert sender["parts"] and sender["differ"] == [] and sender["verified"][0][0] == "sampled"
     assert sender["rounds"][1]["bytes"] < sender["rounds"][0]["bytes"]  # round 1: TP rank 0's parts only
+    # the linear weights the loader rebuilds, whatever the packing: after the last delta sync SGLang serves what one
+    # more full sync of the same weights gives, bit for bit, and not what it served before that update
+    served = sender["served"]
+    assert served["after"] == served["after_full_sync"] != served["before"], served
 
 
 def test_sglang_without_the_loader_refuses_delta_and_parts_at_once_and_takes_gathered_tensors(
@@ -387,12 +418,20 @@ def test_engine_killed_mid_generation_and_mid_sync_is_restarted_and_resynced(sgl
     pool = EnginePool([EngineClient(server.url, 120)], servers=[server], on_restart=on_restart, health_timeout_s=240)
     try:
         assert "error" not in run_sync(trained, server.url, tmp_path, world=1, layout={})[0]
-        # mid-generation: the requests fail over to the restarted engine, which is re-synced first
-        killer = threading.Timer(1.0, lambda: os.killpg(server.pid, signal.SIGKILL))  # 16 x 500 tokens take longer
+        # mid-generation: the requests fail over to the restarted engine, which is re-synced first; killed once
+        # SGLang decodes them (16 x 500 forced tokens cannot end first)
+        killed = []
+
+        def kill_once_decoding():
+            killed.append(wait_decoding(EngineClient(server.url, 120)))
+            os.killpg(server.pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_once_decoding)
         killer.start()
         params = protocol.sampling_params(temperature=1.0, max_new_tokens=500, ignore_eos=True, n=2)
         outs = pool.generate([[5, 6, 7 + i] for i in range(8)], params)
         killer.join()
+        assert killed, "the engine was not decoding the 16 requests (see the thread's error above)"
         assert server.starts == 2 and len(synced) == 1 and "error" not in synced[0][0], synced
         assert len(outs) == 16 and {o.weight_version for o in outs} == {"1"}
         # mid-sync: reported at once on both ranks, then the restarted engine takes a full sync

@@ -4,10 +4,11 @@ SGLang engines launched by rlsys itself, the weights synced and verified every s
 import json
 import math
 import os
+import threading
 import time
 
 import pytest
-from real_sglang import COMPARABLE_TENSORS, PACKED_PARTS, TINY_LLAMA
+from real_sglang import COMPARABLE_TENSORS, PACKED_PARTS, TINY_LLAMA, wait_decoding
 
 from rlsys.config import load_config
 from rlsys.controller.loop import train
@@ -98,69 +99,51 @@ def test_tool_calling_rollouts_on_real_sglang(sglang_py, tmp_path):
 
 
 class SyncMidRound:
-    """Makes the race this test is about certain instead of likely: each sync before the last step first waits
-    (at most ``timeout_s``) until SGLang is decoding a round's requests, as its ``/v1/loads`` tells (requests
-    running, their tokens growing). Whether a sync lands mid-generation otherwise depends on the host: in CI no
-    sync of four found a request with tokens (0 partial samples, with 256 and then 768-token answers), its
-    updates as short as this machine's with the engine idle (0.41 s; 1.1-2.2 s here beside a decoding engine),
-    while here every step after the first had them. Keeps a timeline of rounds and syncs for the failure message."""
+    """Makes the race this test is about certain instead of likely, on any machine: round ``k + 1`` (the
+    producer's, in its thread) is released only when the sync after step ``k`` begins, and that sync waits until
+    SGLang decodes the round's requests (``wait_decoding``). With 768 tokens forced per answer, the round cannot
+    end before the sync pauses it. Left to timing, no sync of four found a request with tokens on a CI machine
+    (0 partial samples, with 256 and then 768-token answers; SGLang logged ``num_recorded=0`` at every version
+    change), while on another machine every step after the first had them. Keeps a timeline of rounds and syncs
+    for the failure message."""
 
-    def __init__(self, monkeypatch, last_step: int, timeout_s: float = 60.0):
+    def __init__(self, monkeypatch, last_step: int, timeout_s: float = 300.0):
         from rlsys.controller.weights import EngineSync
         from rlsys.rollout.batch import EngineRollout
 
         self.last_step, self.timeout_s, self.t0, self.timeline = last_step, timeout_s, time.monotonic(), []
+        self.released = {r: threading.Event() for r in range(2, last_step + 2)}
+        self.loads: dict = {}
         scored_round, after_update = EngineRollout.scored_round, EngineSync.after_update
 
-        def timed_round(source, step, timer):
+        def held_round(source, step, timer):
+            if step in self.released and not self.released[step].wait(self.timeout_s):
+                raise AssertionError(f"round {step} was never released by sync {step - 1}: {self.report()}")
             self.note(f"round {step} sent")
-            self.in_flight += 1
             try:
                 return scored_round(source, step, timer)
             finally:
-                self.in_flight -= 1
                 self.note(f"round {step} back")
 
         def gated_sync(sync, step):
-            if step < self.last_step:
-                self.wait_decoding(sync.engines.clients[0], step)
-            self.note(f"sync {step} starts")
+            self.note(f"sync {step} begins: round {step + 1} released")
+            self.released[step + 1].set()
+            if step < self.last_step:  # no round follows the last step's groups
+                self.loads = wait_decoding(sync.engines.clients[0], requests=8, timeout_s=self.timeout_s)
+                self.note(f"sync {step}: SGLang decoding {self.loads}")
             try:
                 return after_update(sync, step)
             finally:
                 self.note(f"sync {step} ends")
 
-        self.in_flight = 0
-        monkeypatch.setattr(EngineRollout, "scored_round", timed_round)
+        monkeypatch.setattr(EngineRollout, "scored_round", held_round)
         monkeypatch.setattr(EngineSync, "after_update", gated_sync)
 
     def note(self, event: str) -> None:
         self.timeline.append(f"{time.monotonic() - self.t0:.2f}s {event}")
 
-    def wait_decoding(self, client, step: int) -> None:
-        """Until SGLang decodes: its requests all admitted and 8 tokens each added since the count was first seen
-        (reset when the requests change). No wait when no round is in flight for a second: a producer two rounds
-        ahead of a trainer whose update outlasted a round waits for the trainer's next batch."""
-        start = time.monotonic()
-        deadline, idle_since, base, load = start + self.timeout_s, start, None, None
-        while time.monotonic() < deadline:
-            if self.in_flight:
-                idle_since = time.monotonic()
-            elif time.monotonic() - idle_since > 1.0:
-                self.note(f"sync {step} not held: no round in flight")
-                return
-            load = client.request("GET", "/v1/loads", timeout_s=5)["loads"][0]
-            running, used = load["num_running_reqs"], load["num_used_tokens"]
-            if not running or load["num_waiting_reqs"] or base is None or base[0] != running or used < base[1]:
-                base = (running, used) if running and not load["num_waiting_reqs"] else None
-            elif used >= base[1] + 8 * running:
-                self.note(f"sync {step}: {running} requests decoding ({used} tokens in the cache)")
-                return
-            time.sleep(0.05)
-        raise AssertionError(
-            f"sync {step}: no request was decoding within {self.timeout_s:g} s (last /v1/loads: {load}; rounds in "
-            f"flight: {self.in_flight}): {self.timeline}"
-        )
+    def report(self) -> str:
+        return "; ".join(self.timeline)
 
 
 def test_fully_async_with_partial_rollouts_on_real_sglang(sglang_py, tmp_path, monkeypatch):
@@ -168,20 +151,22 @@ def test_fully_async_with_partial_rollouts_on_real_sglang(sglang_py, tmp_path, m
     SGLang retracts the requests in flight, loads the new weights (verified) and continues them, its
     ``weight_versions`` tell the staleness of every sample, and the loop trains on samples of two versions."""
     keys = [*LLAMA, f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=4", "trainer.eval_every=0"]
-    # long answers (2-3 s rounds on 2 cores) so that a sync waiting for the engine to decode does not wait long
     keys += ["trainer.export_hf=false", "logging.tensorboard=false", "data.prompts_per_step=2", "rollout.sampling.n=4"]
     keys += ["rollout.engine=sglang", f"rollout.sglang_python={sglang_py}", "rollout.sync.verify=true"]
+    # 768 tokens per answer: a round cannot end between SGLang starting to decode it and the sync's pause
     keys += ["rollout.sampling.max_new_tokens=768", "rollout.sampling.min_new_tokens=768"]
     keys += ["model.hf_config.max_position_embeddings=1024"]
-    keys += ["trainer.async_mode=fully_async", "trainer.fully_async.queue_batches=2", "algorithm.mismatch.mode=tis"]
+    keys += ["trainer.async_mode=fully_async", "trainer.fully_async.queue_batches=1", "algorithm.mismatch.mode=tis"]
     race = SyncMidRound(monkeypatch, last_step=4)
     history = train(load_config(CONFIG, keys))
-    assert [m["step"] for m in history] == [1, 2, 3, 4]
-    for m in history:
-        assert m["rollout/staleness"] <= 2.0 and m["async/dropped_stale_groups"] == 0.0
-        assert 1.0 <= m["async/versions_per_sample"] <= 3.0
-    partial = [m["async/partial_samples"] for m in history]
     with open(tmp_path / "run" / "logs" / "sglang_0.log") as f:
         recorded = [line.split("] ", 1)[-1].strip() for line in f if "Weight version changed" in line]
-    assert max(partial) > 0, (partial, race.timeline, recorded)
-    assert all(m["response/length_mean"] == 768 for m in history)  # min_new_tokens reached SGLang
+    partial = [m["async/partial_samples"] for m in history]
+    evidence = f"partial samples per step {partial}; timeline: {race.report()}; SGLang: {recorded}"
+    assert [m["step"] for m in history] == [1, 2, 3, 4], evidence
+    for m in history:
+        assert m["rollout/staleness"] <= 2.0 and m["async/dropped_stale_groups"] == 0.0, evidence
+        assert 1.0 <= m["async/versions_per_sample"] <= 3.0, evidence
+    # steps 2-4 train rounds that each straddled a sync: every one of their samples has tokens of two versions
+    assert all(p > 0 for p in partial[1:]), evidence
+    assert all(m["response/length_mean"] == 768 for m in history), evidence  # min_new_tokens reached SGLang
