@@ -18,13 +18,24 @@ ROLES = {"rank": "ray::RankWorker", "engine": "rlsys.rollout.cpu.server"}
 
 
 def rlsys_processes() -> dict[int, str]:
+    """The ranks and engines this test started: descendants of this process (Ray's raylet, which started the
+    rank actors, is one), never another run's on the same host."""
     found = {}
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        line = " ".join(p.info["cmdline"] or [])
-        for role, marker in ROLES.items():
-            if marker in line:
-                found[p.info["pid"]] = role
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # it may have exited since the scan
+            line = " ".join(p.cmdline())
+            for role, marker in ROLES.items():
+                if marker in line:
+                    found[p.pid] = role
     return found
+
+
+def wait_gone(timeout_s: float = 60.0) -> None:
+    """Until no rank or engine of this test is left (each run's close stops them; Ray reaps its actors' workers
+    a moment later): the condition, polled, with a deadline far above the seconds it takes."""
+    deadline = time.monotonic() + timeout_s
+    while rlsys_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def snapshot() -> dict:
@@ -68,7 +79,7 @@ def test_200_steps_memory_flat_and_nothing_leaks(tmp_path):
         return load_config(CONFIG, [*keys, "trainer.eval_every=0", "trainer.export_hf=false", "logging.progress=off"])
 
     train(config("warmup", 1))  # Ray and the libraries start once: not a leak of the run
-    time.sleep(2)
+    wait_gone()
     before = snapshot()
     sampler = Sampler()
     sampler.start()
@@ -85,9 +96,7 @@ def test_200_steps_memory_flat_and_nothing_leaks(tmp_path):
     print("peak RSS MB:", {k: max(r for _, r in v) >> 20 for k, v in long_lived.items()})
     assert all(g < 0.05 for g in growth.values()), growth
 
-    deadline = time.time() + 20
-    while rlsys_processes() and time.time() < deadline:
-        time.sleep(0.5)
+    wait_gone()
     after = snapshot()
     print("before:", before, "after:", after)
     assert after["processes"] == 0, rlsys_processes()  # ranks and engine gone
