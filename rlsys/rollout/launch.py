@@ -248,21 +248,38 @@ def router_command(
     policy: str = "cache_aware",
     extra_args: Sequence[str] = (),
     api_key: str | None = None,
+    metrics_port: int | None = None,
 ) -> list[str]:
     """sgl-router in front of ``worker_urls`` (``python -m sglang_router.launch_router``). ``cache_aware``
     sends prompts with a common prefix to the same engine, which keeps GRPO groups together. ``api_key``:
-    what it sends to workers started with ``--api-key``."""
+    what it sends to workers started with ``--api-key``; the router then wants it from its clients too.
+    ``metrics_port``: its Prometheus exporter, on ``host`` like the router (None: a free port). sgl-router's
+    default, 0.0.0.0:29000, would reach beyond this machine, and a second router on the node (another run's)
+    dies on start when it finds that port taken."""
+    metrics_port = free_port(host) if metrics_port is None else metrics_port
     cmd = [python, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls]
     cmd += ["--host", host, "--port", str(int(port)), "--policy", policy]
+    cmd += ["--prometheus-host", host, "--prometheus-port", str(int(metrics_port))]
     if api_key:
         cmd += ["--api-key", api_key]
     return cmd + [str(a) for a in extra_args]
 
 
-def sglang_router_available(python: str = "python3", timeout_s: float = 60.0) -> bool:
-    """Whether ``sglang_router`` imports in the environment of ``python`` (SGLang's, not rlsys's)."""
+# What ``python -m sglang_router.launch_router`` imports: the launcher (setproctitle, and fastapi, uvicorn, aiohttp
+# and orjson for its Python load balancer) and the Rust router. ``import sglang_router`` alone passes without them.
+ROUTER_PROBE = "import sglang_router.launch_router, sglang_router.router"
+ROUTER_READY = "/readiness"  # 200 while a worker is registered and healthy (/health: while the router listens)
+
+
+def sglang_router_available(
+    python: str = "python3", timeout_s: float = 60.0, env: dict[str, str] | None = None
+) -> bool:
+    """Whether sgl-router starts in the environment of ``python`` (SGLang's, not rlsys's; ``env`` on top of
+    this process's, as ``sglang_router`` runs it)."""
     try:
-        done = subprocess.run([python, "-c", "import sglang_router"], capture_output=True, timeout=timeout_s)
+        done = subprocess.run(
+            [python, "-c", ROUTER_PROBE], capture_output=True, timeout=timeout_s, env={**os.environ, **(env or {})}
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0
@@ -278,10 +295,17 @@ def sglang_router(
     log_file: str | None = None,
     api_key: str | None = None,
 ) -> ServerProcess:
-    """An sgl-router process (not started) in front of ``worker_urls``, on a free port of ``host``."""
-    port = free_port(host)
-    command = router_command(worker_urls, port, python=python, host=host, policy=policy, api_key=api_key)
-    return ServerProcess(command, f"http://{host}:{port}", env=env, log_file=log_file, name="sglang-router")
+    """An sgl-router process (not started) in front of ``worker_urls``, on a free port of ``host``. Healthy once
+    it routes: its ``/health`` answers 200 as soon as it listens, before it registered any worker (a generate
+    then gets 503, no_available_workers), ``/readiness`` once a worker is registered and healthy."""
+    port, metrics_port = free_port(host), free_port(host)
+    while metrics_port == port:
+        metrics_port = free_port(host)
+    command = router_command(
+        worker_urls, port, python=python, host=host, policy=policy, api_key=api_key, metrics_port=metrics_port
+    )
+    url = f"http://{host}:{port}"
+    return ServerProcess(command, url, env=env, log_file=log_file, name="sglang-router", health_path=ROUTER_READY)
 
 
 # ------------------------------------------------------------ engines of a run
@@ -417,7 +441,9 @@ def start_engines(
         raise
     keyed = any(s.url.split("//")[1].rsplit(":", 1)[0] not in LOOPBACK for s in servers)
     router = None
-    if cfg.engine == "sglang" and len(servers) > 1 and sglang_router_available(cfg.sglang_python):
+    # not for R3: sgl-router re-serializes /generate into its own request type, which has no return_routed_experts
+    routable = cfg.engine == "sglang" and len(servers) > 1 and not routed_experts
+    if routable and sglang_router_available(cfg.sglang_python):
         log = os.path.join(log_dir, "sglang_router.log")
         router = sglang_router(urls, python=cfg.sglang_python, log_file=log, api_key=api_key if keyed else None)
     health_timeout_s = 900 if cfg.engine == "sglang" else 300
@@ -488,7 +514,7 @@ def launch_sglang_pool(
         log_file = os.path.join(log_dir, f"sglang_{i}.log") if log_dir else None
         servers.append(ServerProcess(command, f"http://{host}:{port}", env=env, log_file=log_file, name=f"sglang[{i}]"))
     if use_router is None:
-        use_router = num_engines > 1 and sglang_router_available(python)
+        use_router = num_engines > 1 and sglang_router_available(python, env=env)
     router = None
     if use_router:
         log_file = os.path.join(log_dir, "sglang_router.log") if log_dir else None

@@ -63,6 +63,15 @@ if ! "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-deps --no
   sglang-router==0.3.2 >>"$log" 2>&1; then
   echo "sglang-router not installed (see $log); the router check will be skipped" >&2
 fi
+# ... and a folder of its own where it runs: the router with what its launcher imports (setproctitle, fastapi,
+# uvicorn, aiohttp, orjson), without sglang (whose presence makes the launcher import sglang and torch, ~8 s), for
+# tests/dist/test_sglang_router.py's real router in front of two CPU engines. Optional too: that test skips without.
+ROUTER="$TARGET/router_env"
+if ! "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-compile --target "$ROUTER" \
+  sglang-router==0.3.2 setproctitle==1.3.8 fastapi==0.165.0 uvicorn==0.55.0 aiohttp==3.14.5 orjson==3.13.0 >>"$log" 2>&1; then
+  rm -rf "$ROUTER"
+  echo "sgl-router's own environment not installed (see $log); the real-router test will be skipped" >&2
+fi
 
 # Parts of the sglang wheel that the request classes never import (diffusion serving, its test suite).
 rm -rf "$TARGET/sglang/multimodal_gen" "$TARGET/sglang/test" "$TARGET/sglang/benchmark" "$TARGET/bin"
