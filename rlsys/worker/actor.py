@@ -31,6 +31,9 @@ ACTOR_METRICS = {
     "actor/ratio_max": "max",
     "actor/tokens": "sum",
 }
+# MoE routing replay (an actor with router_replay R2/R3): of the routes (token x MoE layer) the update replayed,
+# the fraction whose experts differ from the router's own top-k (the last pipeline stage's layers)
+REPLAY_METRICS = {"actor/replay_rerouted": "mean"}
 
 
 class PolicyWorker:
@@ -114,7 +117,7 @@ class PolicyWorker:
             schedule.mini_batches_per_step,
             schedule.ppo_epochs,
             self._loss_fn,
-            ACTOR_METRICS,
+            ACTOR_METRICS if self.engine.replay is None else ACTOR_METRICS | REPLAY_METRICS,
             prefix="actor",
             agg=pl.agg_mode,
             norm_const=norm,
@@ -154,6 +157,9 @@ class PolicyWorker:
             entry.update({f"actor/{k}": (float(v) * n, n) for k, v in m.items() if k not in ("pg_loss", "ratio_max")})
             entry["actor/ratio_max"] = (float(m["ratio_max"]), 1.0)
             entry["actor/tokens"] = (n, 1.0)
+            if self.engine.replay is not None:  # this micro-batch's forward (loss_fn runs right after it)
+                replayed, rerouted = self.engine.replay.take_counts()
+                entry["actor/replay_rerouted"] = (rerouted, replayed)
             if use_kl:
                 kl_value, _ = kl_loss(logp, f["ref_logp"], mask, kl.estimator, pl.agg_mode, **denominators)
                 loss = loss + kl.coef * kl_value

@@ -151,6 +151,7 @@ class _LayerReplay:
         self.recorded: list[tuple[torch.Tensor, torch.Tensor]] = []  # per forward: (ids, weights)
         self.pending: deque = deque()  # full recompute: the records the backward's recomputes will replay
         self.recompute = router.config.recompute_granularity == "full"
+        self.counts = None  # (routes replayed, of which rerouted) since the last ``RouterReplay.take_counts``
         self._ids = self._target = None
         original = router.routing
 
@@ -182,10 +183,18 @@ class _LayerReplay:
             if target.shape != ids.shape:
                 raise RuntimeError(f"routing replay: {tuple(target.shape)} ids for a {tuple(ids.shape)} top-k")
             valid = (target >= 0).all(-1, keepdim=True)
-            ids = torch.where(valid, target, ids)
+            own, ids = ids, torch.where(valid, target, ids)
             probs = scores.gather(1, ids)
+            if not (self.recompute and self.router.training and torch.is_grad_enabled()):  # not twice per forward
+                self._count(valid.squeeze(-1), own, ids)
         self._ids = ids
         return probs, ids
+
+    def _count(self, valid: torch.Tensor, own: torch.Tensor, ids: torch.Tensor) -> None:
+        """Tokens replayed, and those routed to other experts than the router's own top-k (kept on device)."""
+        rerouted = valid & (own.sort(-1).values != ids.sort(-1).values).any(-1)
+        counts = torch.stack([valid.sum(), rerouted.sum()])
+        self.counts = counts if self.counts is None else self.counts + counts
 
     def after_routing(self, probs: torch.Tensor) -> torch.Tensor:
         ids, self._ids = self._ids, None
@@ -244,9 +253,22 @@ class RouterReplay:
     def start(self, mode: str | None, record: bool = False) -> None:
         self.mode = mode
         for _, layer in self.layers():
-            layer.mode, layer.record, layer.recorded = mode, record, []
+            layer.mode, layer.record, layer.recorded, layer.counts = mode, record, [], None
             layer.target_ids = layer.target_weights = layer.target_base = None
             layer.pending.clear()
+
+    def take_counts(self) -> tuple[float, float]:
+        """``(replayed, rerouted)`` since the last call (or ``start``), over this rank's MoE layers: token
+        routes taken from the record, and those whose experts differ from what the router's own top-k picked
+        (rounding-level differences near a tie, or a router that moved since the record; a backward's
+        recompute is not counted again)."""
+        counts = [layer.counts for _, layer in self.layers() if layer.counts is not None]
+        for _, layer in self.layers():
+            layer.counts = None
+        if not counts:
+            return 0.0, 0.0
+        replayed, rerouted = torch.stack(counts).sum(0).tolist()
+        return float(replayed), float(rerouted)
 
     def before_forward(self, chunk, inp) -> None:
         """Point the chunk's routers at this micro-batch's record (replay)."""
