@@ -144,8 +144,10 @@ def test_r2_keeps_the_update_on_the_old_pass_routing(checkpoints, tmp_path):
     for mode in ("none", "R2"):
         run_on_ranks(_ratio_rank, 1, "cpu", hf, mode, str(tmp_path / f"{mode}.pt"))
         got[mode] = torch.load(tmp_path / f"{mode}.pt")
-    assert got["none"]["actor/ratio_max"] - 1 > 1e-3  # measured 5.3e-3
+    # how far rounding moves the ratio depends on the CPU: measured 5.3e-3 on an Intel Xeon, 4.5e-4 on an AMD EPYC
+    assert got["none"]["actor/ratio_max"] - 1 > 1e-4
     assert got["R2"]["actor/ratio_max"] - 1 <= 2e-6  # measured 2.4e-7
+    assert got["R2"]["actor/replay_rerouted"] > 0  # the flips R2 undid: routes its own top-k would have changed
     assert abs(got["R2"]["actor/approx_kl"]) <= 1e-9
 
 
