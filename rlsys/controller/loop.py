@@ -146,6 +146,8 @@ def learn(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
     metrics["actor/entropy"] = float(masked_mean(pad_rows(old["entropy"]), mask))
     metrics["actor/kl"] = float(masked_mean(kl_estimate(old_logp, ref_logp, "k3"), mask)) if ref is not None else 0.0
     metrics["actor/kl_coef"] = run.kl.beta
+    # every response token of the batch, tool output and glue included; actor/tokens counts those trained on
+    metrics["response/tokens"] = float(sum(lengths))
     return metrics | rollout_mismatch(mismatch)
 
 

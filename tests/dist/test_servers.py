@@ -4,8 +4,12 @@ engine fails its calls at once, is restarted and re-synced (on_restart), and not
 The fake server (stdlib http.server) answers /health, /generate with SGLang-shaped replies, /server_info,
 /model_info and /update_weights_from_distributed. Like SGLang it forks a child (its "TP worker"), so the
 tests also see that stopping an engine stops the children of a server that was killed on its own.
+
+A slow or stuck engine is one whose /generate the test holds open (``Gate``), never one that sleeps: the test
+knows the request is in the engine when it acts, and releases it when it is done.
 """
 
+import contextlib
 import os
 import signal
 import sys
@@ -14,9 +18,9 @@ import time
 
 import pytest
 
+from rlsys.local_ranks import free_port
 from rlsys.rollout import protocol
 from rlsys.rollout.client import EngineClient, EngineError
-from rlsys.local_ranks import free_port
 from rlsys.rollout.pool import EnginePool
 from rlsys.rollout.process import ServerError, ServerProcess
 
@@ -28,7 +32,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--port", type=int, required=True)
-ap.add_argument("--delay", type=float, default=0.0)  # seconds per /generate
+ap.add_argument("--gate", default=None)  # a directory: while it holds "hold", /generate waits (see Gate)
 ap.add_argument("--version", default="0.5.23")
 args = ap.parse_args()
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])  # a "TP worker"
@@ -59,7 +63,12 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.path == "/generate":
-            time.sleep(args.delay)
+            hold = args.gate and os.path.join(args.gate, "hold")
+            if hold and os.path.exists(hold):
+                open(os.path.join(args.gate, "arrived"), "w").close()
+                deadline = time.monotonic() + 300  # a failed test's held request ends with the server anyway
+                while os.path.exists(hold) and time.monotonic() < deadline:
+                    time.sleep(0.01)
             prompts = body["input_ids"] if isinstance(body["input_ids"][0], list) else [body["input_ids"]]
             n = body.get("sampling_params", {}).get("n", 1)
             seed = body.get("sampling_params", {}).get("sampling_seed")
@@ -84,15 +93,36 @@ ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
 """
 
 
+class Gate:
+    """Holds a fake server's /generate open: ``held()`` makes the next requests wait in the server (and mark
+    that one arrived) until the block ends; the server's restarts keep the gate."""
+
+    def __init__(self, path):
+        self.path = path
+        path.mkdir()
+
+    @contextlib.contextmanager
+    def held(self):
+        (self.path / "hold").touch()
+        try:
+            yield
+        finally:
+            (self.path / "hold").unlink()
+
+    def arrived(self) -> bool:
+        return (self.path / "arrived").exists()
+
+
 @pytest.fixture
 def fake_server(tmp_path):
     script = tmp_path / "fake_sglang.py"
     script.write_text(FAKE_SERVER)
     made = []
 
-    def make(delay: float = 0.0, version: str = "0.5.23", name: str = "fake") -> ServerProcess:
+    def make(gate: Gate | None = None, version: str = "0.5.23", name: str = "fake") -> ServerProcess:
         port = free_port()
-        cmd = [sys.executable, str(script), "--port", str(port), "--delay", str(delay), "--version", version]
+        cmd = [sys.executable, str(script), "--port", str(port), "--version", version]
+        cmd += ["--gate", str(gate.path)] if gate is not None else []
         server = ServerProcess(cmd, f"http://127.0.0.1:{port}", log_file=str(tmp_path / f"{name}.log"), stop_grace_s=2)
         made.append(server)
         return server
@@ -105,6 +135,16 @@ def fake_server(tmp_path):
 def _pids(url: str) -> list[int]:
     info = EngineClient(url, 5).server_info()
     return [info["pid"], info["child_pid"]]
+
+
+def _until(condition, wait_s: float = 30.0) -> bool:
+    """Whether ``condition()`` holds within ``wait_s``: a deadline to fail by, not a pause that makes it hold."""
+    deadline = time.monotonic() + wait_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _gone(pid: int, wait_s: float = 10.0) -> bool:
@@ -143,17 +183,20 @@ def test_wait_healthy_reports_a_server_that_dies(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(ServerError, match=r"(?s)exited with code 3.*no GPU found"):
         server.wait_healthy(timeout_s=60)
-    assert time.monotonic() - t0 < 10
+    # the point: the exit is noticed, not waited out (60 s). Measured 0.51 s on 2 busy cores (one 0.5 s poll):
+    # 5 s is a 10x margin.
+    assert time.monotonic() - t0 < 5
 
 
-def test_pool_round_robin_kill_restart_close(fake_server):
+def test_pool_round_robin_kill_restart_close(fake_server, tmp_path):
     synced = []
 
     def on_restart(i):  # what the trainer does: re-send the current weights to the restarted engine
         pool.clients[i].update_weights_from_distributed(["w"], ["bfloat16"], [[2]], weight_version="7")
         synced.append(i)
 
-    servers = [fake_server(delay=1.0, name=f"engine{i}") for i in range(2)]
+    gate = Gate(tmp_path / "engine0-gate")
+    servers = [fake_server(gate=gate if i == 0 else None, name=f"engine{i}") for i in range(2)]
     pool = EnginePool.launch(servers, timeout_s=30, health_timeout_s=30, on_restart=on_restart)
     ports = [int(s.url.rsplit(":", 1)[1]) for s in servers]
     sampling = protocol.sampling_params(n=2, max_new_tokens=3)
@@ -178,12 +221,16 @@ def test_pool_round_robin_kill_restart_close(fake_server):
             errors.append((e, time.monotonic()))
 
     worker = threading.Thread(target=call)
-    worker.start()
-    time.sleep(0.3)
-    killed_at = time.monotonic()
-    os.kill(servers[0].pid, signal.SIGKILL)
-    worker.join(timeout=10)
+    with gate.held():  # the request waits in engine 0 (whose client would wait 1800 s for it) until the kill
+        worker.start()
+        assert _until(gate.arrived), "the request never reached engine 0"
+        killed_at = time.monotonic()
+        os.kill(servers[0].pid, signal.SIGKILL)
+        worker.join(timeout=60)
     assert errors and errors[0][0].kind == "connection" and errors[0][0].engine_down
+    # the point: the error comes with the kill, not with a timeout (the pool's 30 s, the client's 1800 s).
+    # Measured 5 ms on 2 busy cores; 2 s is far more than 10x, a floor for a loaded machine's scheduling, and
+    # still 15x under the shortest timeout it must not wait for.
     assert errors[0][1] - killed_at < 2.0
 
     # The pool sends engine 0's share to engine 1, then restarts engine 0 and re-syncs it.
@@ -227,15 +274,22 @@ def test_check_and_restart_and_a_dead_only_engine(fake_server):
         pool.close()
 
 
-def test_stuck_engine_times_out(fake_server):
-    server = fake_server(delay=30.0)
+def test_stuck_engine_times_out(fake_server, tmp_path):
+    gate = Gate(tmp_path / "gate")
+    server = fake_server(gate=gate)
     server.start()
     server.wait_healthy(timeout_s=30)
-    client = EngineClient(server.url, timeout_s=5, generate_timeout_s=1.0)
-    t0 = time.monotonic()
-    with pytest.raises(EngineError) as info:
-        client.generate([[1]], protocol.sampling_params())
-    assert info.value.kind == "timeout" and time.monotonic() - t0 < 5
+    # 60 s for the other calls: a generate that used it instead of generate_timeout_s would fail the bound below
+    client = EngineClient(server.url, timeout_s=60, generate_timeout_s=1.0)
+    with gate.held():  # stuck: the request is held in the engine until after the check
+        t0 = time.monotonic()
+        with pytest.raises(EngineError) as info:
+            client.generate([[1]], protocol.sampling_params())
+        took = time.monotonic() - t0
+        assert gate.arrived()
+    # the point: the call gives up at generate_timeout_s (1 s). Measured 1.01 s on 2 busy cores: 8 s is an 8x
+    # margin, and far below the 60 s of the wrong timeout.
+    assert info.value.kind == "timeout" and took < 8
     assert client.health()
 
 
@@ -268,8 +322,9 @@ def test_router_mode_sends_every_prompt_through_the_router(fake_server):
         outs = pool.generate([[1], [2], [3]], protocol.sampling_params(n=2))
         assert [o.prompt_index for o in outs] == [0, 0, 1, 1, 2, 2]
         assert {o.output_ids[0] for o in outs} == {router_port}
-        os.kill(router.pid, signal.SIGKILL)
-        time.sleep(0.2)
+        killed = router.pid
+        os.kill(killed, signal.SIGKILL)
+        assert _gone(killed)  # dead (a zombie at most) before the next call: it must find the router down
         assert len(pool.generate([[1]], protocol.sampling_params())) == 1 and router.starts == 2
     finally:
         pool.close()
@@ -301,16 +356,21 @@ def test_attach_fails_fast_on_urls_that_refuse_hang_or_answer_garbage():
     garbage = HTTPServer(("127.0.0.1", 0), Garbage)
     threading.Thread(target=garbage.serve_forever, daemon=True).start()
     try:
+        # (url, probe_s, bound): the point is that each fails fast. A refused or foreign server fails at once,
+        # far inside a 30 s probe (measured 2 ms each on 2 busy cores: 2 s is far more than 10x, a floor for a
+        # loaded machine, and 15x under the probe); the silent one when its 2 s probe runs out (measured 2.00 s:
+        # 10 s is a 5x margin), not after the client's 60 s timeout.
         cases = [
-            (refused, 1.0),
-            (f"http://127.0.0.1:{silent.getsockname()[1]}", 3.0),
-            (f"http://127.0.0.1:{garbage.server_port}", 1.0),
+            (refused, 30, 2.0),
+            (f"http://127.0.0.1:{silent.getsockname()[1]}", 2, 10.0),
+            (f"http://127.0.0.1:{garbage.server_port}", 30, 2.0),
         ]
-        for url, bound in cases:
+        for url, probe_s, bound in cases:
             t0 = time.monotonic()
             with pytest.raises(UserError, match=r"rollout.urls\[0\] = " + url) as info:
-                EnginePool.attach([url], probe_s=2)
-            assert time.monotonic() - t0 < bound + 2, (url, info.value)
+                EnginePool.attach([url], timeout_s=60, probe_s=probe_s)
+            took = time.monotonic() - t0
+            assert took < bound, (url, took, info.value)
     finally:
         garbage.shutdown()
         silent.close()

@@ -3,6 +3,7 @@ the trajectories through rlsys's OpenAI-compatible endpoint; the CPU engine serv
 trains on what was recorded."""
 
 import json
+import math
 import os
 
 import pytest
@@ -62,4 +63,11 @@ def test_agent_code_generates_the_trajectories(tmp_path):
         "train",
         rollout_dir(str(out)),
     )
-    assert len(history) == 2 and all(m["actor/grad_norm"] == m["actor/grad_norm"] for m in history)
+    assert len(history) == 2
+    for step, m in enumerate(history, 1):
+        assert math.isfinite(m["actor/grad_norm"]) and m["actor/grad_norm"] > 0, m["actor/grad_norm"]
+        samples = Replay(rollout_dir(str(out))).next_batch(step, None).samples
+        # the loss mask reached the update: it trained on the two generations, not the tool message between
+        trained = sum(sum(s.loss_mask) for s in samples)
+        assert m["response/tokens"] == sum(len(s.output_ids) for s in samples)
+        assert m["actor/tokens"] == trained and 0 < trained < m["response/tokens"], (step, m["actor/tokens"])

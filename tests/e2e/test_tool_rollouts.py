@@ -5,6 +5,7 @@ the engine must stop a turn at ``</tool_call>``, the tool's answer must follow a
 trainer must accept the trajectories. Every saved trajectory is checked token by token.
 """
 
+import math
 import os
 
 import pytest
@@ -12,7 +13,7 @@ from tool_trajectories import check_trajectories
 
 from rlsys.config import load_config
 from rlsys.controller.loop import train
-from rlsys.controller.replay import rollout_dir
+from rlsys.controller.replay import Replay, rollout_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny-cpu-tools-grpo.yaml")
@@ -40,7 +41,15 @@ def test_tool_calls_through_the_engine_and_the_trainer(tmp_path):
     # the trainer takes the very trajectories: masks, glue and all
     cfg = load_config(CONFIG, [f"trainer.output_dir={tmp_path / 'train'}", "trainer.steps=2", *ONE_RANK])
     history = train(cfg, use_ray=False, mode="train", replay_dir=rollout_dir(str(out)))
-    assert len(history) == 2 and all(m["actor/grad_norm"] == m["actor/grad_norm"] for m in history)
+    assert len(history) == 2
+    replay = Replay(rollout_dir(str(out)))
+    for step, m in enumerate(history, 1):
+        assert math.isfinite(m["actor/grad_norm"]) and m["actor/grad_norm"] > 0, m["actor/grad_norm"]
+        samples = replay.next_batch(step, None).samples
+        # the loss mask reached the update: it trained on the model's own tokens, not the tool output and glue
+        trained = sum(sum(s.loss_mask) for s in samples)
+        assert m["response/tokens"] == sum(len(s.output_ids) for s in samples)
+        assert m["actor/tokens"] == trained and 0 < trained < m["response/tokens"], (step, m["actor/tokens"])
 
 
 def test_tool_trajectories_one_step_off(tmp_path):
@@ -50,4 +59,10 @@ def test_tool_trajectories_one_step_off(tmp_path):
     history = train(load_config(CONFIG, keys), use_ray=False)
     assert [m["rollout/staleness"] for m in history] == [0.0, 1.0, 1.0, 1.0]
     assert [m["rollout/weight_version"] for m in history][1:] == [1.0, 2.0, 3.0]
-    assert all(m["rollout/turns_mean"] >= 1 and m["actor/grad_norm"] == m["actor/grad_norm"] for m in history)
+    for m in history:
+        assert m["rollout/turns_mean"] >= 1
+        assert math.isfinite(m["actor/grad_norm"]) and m["actor/grad_norm"] > 0, m["actor/grad_norm"]
+        # the loss mask reached the update: the tokens left out of it are the batch's tool output and glue
+        masked = m["response/tokens"] - m["actor/tokens"]
+        assert m["actor/tokens"] > 0 and masked >= 0 and (masked > 0) == (m["rollout/tool_tokens_mean"] > 0), m
+    assert any(m["rollout/tool_tokens_mean"] > 0 for m in history), "no tool output in any step: nothing to mask"

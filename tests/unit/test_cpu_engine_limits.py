@@ -4,12 +4,21 @@ the argument checks, without loading a model)."""
 
 import asyncio
 import json
+import types
 
 import pytest
+import requests
 import torch
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from rlsys.rollout import protocol
+from rlsys.rollout.client import EngineClient, EngineError
 from rlsys.rollout.cpu import server
+from rlsys.rollout.cpu.weights import decode_tensor_payload
+from rlsys.sync.buckets import Bucket, Bucketer
+from rlsys.sync.colocated import serialize_flattened_bucket
+from rlsys.sync.distributed import DistributedWeightSync
 
 
 class StubEngine:
@@ -47,11 +56,109 @@ def test_bodies_over_the_cap_are_refused():
     assert call(app, "/generate", b'{"text": "hi"}')[0] == 200
 
 
-def test_the_cap_fits_the_largest_bucket_or_tensor():
-    model = torch.nn.Embedding(1000, 64)  # 256 KB in fp32
-    assert server.request_cap(model, 1) == int((1 << 20) * 4 / 3) + (64 << 20)
-    big = torch.nn.Embedding(100_000, 64)  # 25.6 MB in fp32, over a 1 MiB bucket
-    assert server.request_cap(big, 1) == int(100_000 * 64 * 4 * 4 / 3) + (64 << 20)
+class BucketReader(StubEngine):
+    """Reads the bucket it is sent as the engine does (``decode_tensor_payload``) and says what arrived."""
+
+    def update_weights_from_tensor(self, body):
+        named = decode_tensor_payload(body["serialized_named_tensors"][0], body["load_format"])
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        return server._result(True, "read", names=[n for n, _ in named], nbytes=nbytes)
+
+
+def largest_sync_bucket(model: torch.nn.Module, bucket_mb: float) -> Bucket:
+    """The largest bucket a sync packs of ``model``'s weights, in fp32 (the CPU engine's dtype): the
+    ``Bucketer`` of ``DistributedWeightSync._export`` (its ramp only shrinks the first buckets)."""
+    bucketer, buckets = Bucketer(int(bucket_mb * 2**20)), []
+    for name, tensor in model.state_dict().items():
+        if (full := bucketer.add(name, tensor.float())) is not None:
+            buckets.append(full)
+    buckets.append(bucketer.flush())
+    return max(filter(None, buckets), key=lambda b: b.nbytes)
+
+
+def sync_payload(bucket: Bucket) -> str:
+    """The colocated payload of ``DistributedWeightSync._broadcast_bucket`` (the bytes inline, on CPU)."""
+    bucket = bucket.aligned()
+    return serialize_flattened_bucket(Bucket(bucket.names, bucket.tensors, bucket.nbytes))
+
+
+def send_as_the_sync(app: web.Application, payload: str, version: str = "1"):
+    """POST ``payload`` to ``app`` through the sync's own call (``_send_tensors``: EngineClient, JSON over
+    HTTP); the engine's reply, or the ``EngineError`` the sync would raise."""
+    sync = types.SimpleNamespace(version=version, timeout_s=120.0)
+
+    async def go():
+        async with TestServer(app) as test_server:
+            client = EngineClient(str(test_server.make_url("")))
+            try:
+                return await asyncio.get_running_loop().run_in_executor(
+                    None, DistributedWeightSync._send_tensors, sync, client, 1, payload
+                )
+            except EngineError as e:
+                return e
+            finally:
+                client.close()
+
+    return asyncio.run(go())
+
+
+def no_init(module, *args, **kwargs):
+    return torch.nn.utils.skip_init(module, *args, **kwargs)  # the bytes are what counts, not their values
+
+
+# Engine-side cap (request_cap) against the largest body the sync really sends at that bucket size. The cap holds
+# 64 MiB of room for the JSON around a bucket, so a bucket that only fits because of the base64 growth (4/3) or
+# because a tensor larger than the bucket goes alone must be big enough that the room cannot hide the difference.
+@pytest.mark.parametrize(
+    "bucket_mb,layers",
+    [
+        # eight 256 KiB tensors: two buckets of exactly 1 MiB, the fullest a bucket gets
+        pytest.param(1, lambda: [no_init(torch.nn.Linear, 256, 256, bias=False) for _ in range(8)], id="full-bucket"),
+        # a 61 MiB embedding goes alone, 61x the bucket; its base64 (81 MiB) is beyond the 1 MiB bucket's
+        # 65.3 MiB of body: only the tensor's own size in the cap lets it in
+        pytest.param(
+            1,
+            lambda: [no_init(torch.nn.Embedding, 250_000, 64), no_init(torch.nn.Linear, 64, 64)],
+            id="tensor-over-the-bucket",
+            marks=pytest.mark.slow,  # ~10 s on 2 busy cores
+        ),
+        # a full 200 MiB bucket: its base64 (267 MiB) exceeds the bucket plus the 64 MiB of room (264 MiB)
+        pytest.param(
+            200,
+            lambda: [no_init(torch.nn.Linear, 3200, 4096, bias=False) for _ in range(4)],
+            id="full-bucket-beyond-the-json-room",
+            marks=pytest.mark.slow,  # ~26 s and 2 GiB on 2 busy cores
+        ),
+    ],
+)
+def test_the_largest_bucket_the_sync_sends_is_accepted(bucket_mb, layers):
+    model = torch.nn.Sequential(*layers())
+    bucket = largest_sync_bucket(model, bucket_mb)
+    full = bucket.nbytes == bucket_mb * 2**20 or (len(bucket.names) == 1 and bucket.nbytes > bucket_mb * 2**20)
+    assert full, "the case must be the largest bucket a sync makes at this size"
+    app = server.build_app(BucketReader([]), max_request_bytes=server.request_cap(model, bucket_mb))
+    reply = send_as_the_sync(app, sync_payload(bucket))
+    assert not isinstance(reply, Exception), reply
+    assert reply["names"] == bucket.aligned().names and reply["nbytes"] == bucket.nbytes
+
+
+def test_one_kib_over_the_cap_is_refused_with_a_clear_error():
+    """A body of exactly the cap is taken; 1 KiB more is refused (413) as soon as it passes the cap, unparsed,
+    and the sync's error says why. Both are the largest 1 MiB bucket, its weight version padded to the size."""
+    model = torch.nn.Sequential(*[no_init(torch.nn.Linear, 256, 256, bias=False) for _ in range(8)])
+    cap = server.request_cap(model, 1)
+    payload = sync_payload(largest_sync_bucket(model, 1))
+    body = protocol.update_weights_from_tensor_payload([payload], "flattened_bucket", False, False, "")
+    empty = len(requests.Request("POST", "http://engine/", json=body).prepare().body)  # as EngineClient sends it
+
+    def app():
+        return server.build_app(BucketReader([]), max_request_bytes=cap)
+
+    at_cap = send_as_the_sync(app(), payload, version="v" * (cap - empty))
+    assert not isinstance(at_cap, Exception), at_cap
+    refused = send_as_the_sync(app(), payload, version="v" * (cap + 1024 - empty))
+    assert isinstance(refused, EngineError) and refused.status == 413, refused
+    assert f"HTTP 413: Maximum request body size {cap} exceeded" in str(refused)
 
 
 def test_weights_from_disk_stay_inside_the_roots(tmp_path):

@@ -288,6 +288,8 @@ def test_turn_and_token_caps():
 
 
 class SlowOrBroken(ToolEnvironment):
+    release = threading.Event()  # "hang": the tool answers once the test sets it (each test sets its own)
+
     def __init__(self, mode: str):
         self.mode = mode
         self.functions = {"f": self.f}
@@ -296,7 +298,7 @@ class SlowOrBroken(ToolEnvironment):
         if "<tool_call>" in action_text and self.mode == "raise":
             raise RuntimeError("the environment broke")
         if "<tool_call>" in action_text and self.mode == "hang":
-            time.sleep(5)
+            self.release.wait(60)  # until the test releases it; a driver waiting for it fails, not hangs
         if "<tool_call>" in action_text and self.mode == "garbage":
             return "not a StepResult"
         return super().step(action_text)
@@ -317,12 +319,21 @@ def test_a_failing_environment_is_an_observation(mode, observation, counter, mon
     import rlsys.envs.registry as registry
 
     monkeypatch.setitem(registry.BUILTIN, "broken", f"{__name__}:SlowOrBroken")
+    monkeypatch.setattr(SlowOrBroken, "release", threading.Event())
     tok = SyntheticTokenizer(tools=True)
     engines = ScriptedEngines(tok, ["<tool_call> a </tool_call>", "a <eos>"])
     driver = _driver(tok, engines, False, env="broken", env_kwargs={"mode": mode}, tool_timeout_s=0.5)
     start = time.monotonic()
-    samples, metrics = driver.generate([_prompt(tok, "copy a =", "a", templated=False)], {"n": 1, "max_new_tokens": 8})
-    assert time.monotonic() - start < 4
+    try:
+        samples, metrics = driver.generate(
+            [_prompt(tok, "copy a =", "a", templated=False)], {"n": 1, "max_new_tokens": 8}
+        )
+        took = time.monotonic() - start
+    finally:
+        SlowOrBroken.release.set()  # the held tool answers now, after the driver gave up on it
+    # the point for "hang": the driver stops waiting at tool_timeout_s (0.5 s), not when the tool answers (held
+    # until after this line). Measured 0.50 s on 2 busy cores: 5 s is a 10x margin.
+    assert took < 5
     glue = [t for t, m in zip(samples[0].output_ids, samples[0].loss_mask) if not m]
     shown = tok.decode(glue, skip_special_tokens=False)
     assert shown.startswith("<tool_response>") and metrics[f"rollout/{counter}_mean"] == 1.0
@@ -418,15 +429,18 @@ def test_steps_that_never_return_neither_starve_the_pool_nor_hold_the_process(mo
     driver = _driver(tok, engines, False, env="never", tool_timeout_s=0.3, concurrency=1, max_turns=3)
     start = time.monotonic()
     samples, metrics = driver.generate([_prompt(tok, "copy a =", "a", templated=False)], {"n": 1, "max_new_tokens": 8})
-    assert time.monotonic() - start < 3  # two stuck calls in a row, each 0.3 s, on a single worker
+    # the point: two stuck calls in a row on a single worker, each given up after 0.3 s, not waited for (they
+    # never return). Measured 0.61 s on 2 busy cores: 5 s is an 8x margin.
+    assert time.monotonic() - start < 5
     assert metrics["rollout/tool_timeouts_mean"] == 2.0 and driver._pool.abandoned == 2
     driver.close()
     code = (
-        "import threading, time\n"
+        "import threading\n"
         "from rlsys.rollout.daemon_pool import DaemonPool\n"
         "pool = DaemonPool(1, 'test')\n"
-        "f = pool.submit(threading.Event().wait)\n"
-        "time.sleep(0.2)\n"
+        "started = threading.Event()\n"
+        "f = pool.submit(lambda: (started.set(), threading.Event().wait()))\n"
+        "assert started.wait(30)\n"  # the worker runs it: abandon must replace the worker, not cancel a queued call
         "pool.abandon(f)\n"
         "assert pool.submit(lambda: 7).result(timeout=5) == 7\n"
     )
