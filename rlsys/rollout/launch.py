@@ -440,12 +440,7 @@ def start_engines(
             s.close() if isinstance(s, RemoteServer) else s.stop()
         raise
     keyed = any(s.url.split("//")[1].rsplit(":", 1)[0] not in LOOPBACK for s in servers)
-    router = None
-    # not for R3: sgl-router re-serializes /generate into its own request type, which has no return_routed_experts
-    routable = cfg.engine == "sglang" and len(servers) > 1 and not routed_experts
-    if routable and sglang_router_available(cfg.sglang_python):
-        log = os.path.join(log_dir, "sglang_router.log")
-        router = sglang_router(urls, python=cfg.sglang_python, log_file=log, api_key=api_key if keyed else None)
+    router = _run_router(cfg, urls, log_dir, api_key if keyed else None, routed_experts)
     health_timeout_s = 900 if cfg.engine == "sglang" else 300
     pool = EnginePool.launch(
         servers,
@@ -456,6 +451,15 @@ def start_engines(
     )
     pool.return_routed_experts = routed_experts
     return pool
+
+
+def _run_router(cfg: RolloutConfig, urls: list[str], log_dir: str, api_key: str | None, routed_experts: bool):
+    """sgl-router in front of several SGLang engines, where it starts. Not for R3: the router re-serializes
+    /generate into its own request type, which has no return_routed_experts."""
+    if cfg.engine != "sglang" or len(urls) < 2 or routed_experts or not sglang_router_available(cfg.sglang_python):
+        return None
+    log = os.path.join(log_dir, "sglang_router.log")
+    return sglang_router(urls, python=cfg.sglang_python, log_file=log, api_key=api_key)
 
 
 def _placed_command(build, index: int, gpu: int, on_node: tuple[int, int], host: str, port: int) -> list:
