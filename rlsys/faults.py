@@ -9,6 +9,13 @@
   file ``RLSYS_FAULT_ONCE`` (a path) records, so that the restarted engine lives.
 * ``RLSYS_FAULT_SLOW_ENGINE=0.02``: the CPU engine waits this many seconds before each forward, as an engine
   with a longer decode would (generation then outlasts training: weight syncs land mid-generation).
+* ``RLSYS_FAULT_HOLD_REQUESTS=1``: the CPU engine honours ``sampling_params.custom_params.rlsys_hold_at_token=N``
+  (``HOLD_PARAM``): once a sample of such a request has N output tokens, the request stops there, inside the
+  model, until the engine's next ``/pause_generation`` or ``/continue_generation`` (or that sample's abort),
+  once per request; ``/rlsys_fault/held`` (``HOLD_ENDPOINT``, ``{"count": K, "timeout": S}``) answers once K
+  requests stand held (``success``) or S seconds passed (unset: it says so at once). A pause then finds those
+  requests in flight, at that exact token, whatever the host's speed: a sync "while requests run" is arranged,
+  not raced.
 * ``RLSYS_FAULT_ENOSPC_IN_SAVE=2``: rank 0's writes of the step-2 checkpoint fail with ENOSPC (a full disk)
   after the shards, where its metadata and ``train_state.json`` go.
 * ``RLSYS_FAULT_KILL_IN_SAVE=2``: rank 0 SIGKILLs its own process while writing the step-2 checkpoint,
@@ -24,6 +31,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+from dataclasses import dataclass
 
 PREFIX = "RLSYS_FAULT_"
 NAN_UPDATES = PREFIX + "NAN_UPDATES"
@@ -33,6 +41,9 @@ ENOSPC_IN_SAVE = PREFIX + "ENOSPC_IN_SAVE"
 ENGINE_DIES = PREFIX + "ENGINE_DIES"
 ONCE = PREFIX + "ONCE"
 SLOW_ENGINE = PREFIX + "SLOW_ENGINE"
+HOLD_REQUESTS = PREFIX + "HOLD_REQUESTS"
+HOLD_PARAM = "rlsys_hold_at_token"  # in sampling_params.custom_params
+HOLD_ENDPOINT = "/rlsys_fault/held"
 
 
 def fault_env() -> dict[str, str]:
@@ -42,6 +53,32 @@ def fault_env() -> dict[str, str]:
 def slow_engine_s() -> float:
     """Seconds the CPU engine waits before each forward (0 unless ``RLSYS_FAULT_SLOW_ENGINE`` says)."""
     return float(os.environ.get(SLOW_ENGINE, "0") or 0)
+
+
+def hold_requests() -> bool:
+    """Whether the CPU engine honours ``HOLD_PARAM`` and ``HOLD_ENDPOINT`` waits (``RLSYS_FAULT_HOLD_REQUESTS``)."""
+    return os.environ.get(HOLD_REQUESTS, "").strip() not in ("", "0")
+
+
+@dataclass
+class Hold:
+    """``HOLD_PARAM`` of a request: its samples that share this stop once, before the next forward after one of
+    them has ``at`` output tokens (``rlsys.rollout.cpu.generate.Gate.between_tokens``)."""
+
+    at: int
+    done: bool = False
+
+
+def request_holds(sampling_params: list) -> list[Hold | None]:
+    """Each prompt's ``Hold`` (its ``sampling_params``, as sent), None without one or unless ``HOLD_REQUESTS`` is
+    set; the prompts of a request that stop at the same token share one."""
+    shared: dict[int, Hold] = {}
+    holds = []
+    for p in sampling_params:
+        custom = (p or {}).get("custom_params")
+        at = custom.get(HOLD_PARAM) if isinstance(custom, dict) and hold_requests() else None
+        holds.append(None if at is None else shared.setdefault(int(at), Hold(int(at))))
+    return holds
 
 
 def nan_update(count: int) -> bool:

@@ -7,9 +7,9 @@ broadcasts HF-named tensors, per tensor or as one flattened bucket (``rlsys.sync
 
 import base64
 import contextlib
+import os
 import pickle
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -20,6 +20,7 @@ from tiny_models import make_tiny_hf_checkpoint, save_word_tokenizer
 
 from rlsys.architectures.hf_checkpoint import HFCheckpoint
 from rlsys.architectures.hf_config import SUPPORTED_MODEL_TYPES
+from rlsys.faults import HOLD_ENDPOINT, HOLD_PARAM, HOLD_REQUESTS
 from rlsys.local_ranks import free_port
 from rlsys.rollout.cpu.weights import serialize_tensors
 from rlsys.rollout.launch import launch_cpu_engine
@@ -49,7 +50,8 @@ def one_thread():
 
 
 def _engine(path):
-    return launch_cpu_engine(path, dtype="float32", seed=0)  # --num-threads 1 by default
+    env = {**os.environ, HOLD_REQUESTS: "1"}  # the pause tests hold requests at an exact token (rlsys.faults)
+    return launch_cpu_engine(path, dtype="float32", seed=0, env=env)  # --num-threads 1 by default
 
 
 @pytest.fixture(scope="module")
@@ -444,60 +446,78 @@ def test_release_resume_then_update_from_tensor(qwen2, ckpts):
 
 
 # ---- pause / continue ----
+# A request "in flight" is arranged, not raced: its sampling params ask the engine (RLSYS_FAULT_HOLD_REQUESTS, set
+# in ``_engine``) to stop it after exactly HOLD tokens until the next pause or continue, and the test waits for that
+# (HOLD_ENDPOINT) before pausing. So the pause always finds it mid-generation, at token HOLD, on any host.
+
+HOLD, LENGTH = 5, 12
 
 
-def _busy(url):
-    """Wait until a request holds a KV cache (flush_cache refuses then)."""
-    deadline = time.time() + 30
-    while post(url, "/flush_cache").status_code == 200:
-        assert time.time() < deadline, "the request never started"
-        time.sleep(0.01)
+def held(body):
+    """``body`` whose request stops after HOLD tokens, once, until the engine's next pause or continue."""
+    return {**body, "sampling_params": {**body["sampling_params"], "custom_params": {HOLD_PARAM: HOLD}}}
+
+
+def start_held(url, body, results, key):
+    """Send ``held(body)`` from a thread; return it once the engine holds the request at token HOLD."""
+    t = threading.Thread(target=lambda: results.update({key: generate(url, held(body))}), daemon=True)
+    t.start()
+    r = post(url, HOLD_ENDPOINT, {"count": 1, "timeout": 60})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert post(url, "/flush_cache").status_code == 400  # in flight: it holds a KV cache
+    return t
+
+
+def join(t):
+    t.join(60)
+    assert not t.is_alive(), "the request did not end"
 
 
 def test_pause_abort_and_retract_across_a_weight_update(qwen2, ckpts):
     reset(qwen2, ckpts["qwen2", 0])
-    long = {"input_ids": [[1, 2, 3]] * 4, "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}}
+    assert post(qwen2, "/update_weight_version", {"new_version": "6"}).status_code == 200
+    long = {"input_ids": [[1, 2, 3]] * 4, "sampling_params": {"max_new_tokens": LENGTH, "ignore_eos": True}}
     results = {}
-    t = threading.Thread(target=lambda: results.update(abort=generate(qwen2, long)))
-    t.start()
-    _busy(qwen2)
+    t = start_held(qwen2, long, results, "abort")
     assert post(qwen2, "/pause_generation", {"mode": "abort"}).json()["status"] == "ok"
-    t.join(60)
+    join(t)
     assert post(qwen2, "/continue_generation").status_code == 200
-    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in results["abort"])  # one batch
-    assert all(o["meta_info"]["completion_tokens"] < 240 for o in results["abort"])
+    for out in results["abort"]:  # one batch: every sample ends at the token the pause found it on
+        assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["meta_info"]["completion_tokens"] == HOLD
 
-    # /abort_request by rid ends that sample of the batch; the others go on
+    # /abort_request by rid ends that sample of the batch; the others go on (once the hold is released)
     two = {**long, "input_ids": [[1, 2, 3], [4, 5]], "rid": ["keep", "drop"]}
-    t = threading.Thread(target=lambda: results.update(rid=generate(qwen2, two)))
-    t.start()
-    _busy(qwen2)
+    t = start_held(qwen2, two, results, "rid")
     assert post(qwen2, "/abort_request", {"rid": "drop"}).status_code == 200
-    t.join(60)
+    assert post(qwen2, "/continue_generation").status_code == 200  # not paused: only ends the hold
+    join(t)
     keep, drop = results["rid"]
     assert (keep["meta_info"]["id"], drop["meta_info"]["id"]) == ("keep", "drop")
-    assert keep["meta_info"]["finish_reason"] == {"type": "length", "length": 240}
-    assert drop["meta_info"]["finish_reason"]["type"] == "abort" and len(drop["output_ids"]) < 240
+    assert keep["meta_info"]["finish_reason"] == {"type": "length", "length": LENGTH}
+    assert drop["meta_info"]["finish_reason"]["type"] == "abort" and len(drop["output_ids"]) == HOLD
 
-    batch = {"input_ids": [[1, 2, 3], [6, 5, 4, 3, 2]], "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}}
-    t = threading.Thread(target=lambda: results.update(retract=generate(qwen2, batch)))
-    t.start()
-    _busy(qwen2)
-    post(qwen2, "/pause_generation", {"mode": "retract"})
-    deadline = time.time() + 30
-    while post(qwen2, "/flush_cache").status_code != 200:  # once parked, retracted requests hold no KV cache
-        assert time.time() < deadline, "the paused request kept its KV cache"
-        time.sleep(0.01)
+    batch = {**long, "input_ids": [[1, 2, 3], [6, 5, 4, 3, 2]], "return_logprob": True}
+    t = start_held(qwen2, batch, results, "retract")
+    post(qwen2, "/pause_generation", {"mode": "retract"})  # answers once the request is parked
+    assert post(qwen2, "/flush_cache").status_code == 200  # retracted: it holds no KV cache
     r = post(qwen2, "/update_weights_from_disk", {"model_path": ckpts["qwen2", 1], "weight_version": "r1"})
     assert r.status_code == 200, r.text  # a paused engine updates at once
     post(qwen2, "/continue_generation")
-    t.join(60)
-    for out in results["retract"]:
-        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 240}
+    join(t)
+    for prompt, out in zip(batch["input_ids"], results["retract"]):
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": LENGTH}
         assert out["meta_info"]["weight_version"] == "r1"
-        spans = out["meta_info"]["weight_versions"]  # SGLang's per-token versions: the old ones, then r1
-        assert [s["version"] for s in spans][-1] == "r1" and spans[-1]["end"] == 240
-        assert all(a["end"] == b["start"] for a, b in zip(spans, spans[1:])) and spans[0]["start"] == 0
+        # SGLang's per-token versions: the tokens before the pause, then r1 (from a cache recomputed on r1)
+        assert out["meta_info"]["weight_versions"] == [
+            {"version": "6", "start": 0, "end": HOLD},
+            {"version": "r1", "start": HOLD, "end": LENGTH},
+        ]
+        # and the tokens after the pause have the new model's log-probs over the whole sequence
+        ids, got = out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        with torch.no_grad():
+            logits = hf_model(ckpts["qwen2", 1])(input_ids=torch.tensor([prompt + ids])).logits[0].float()
+        ref = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)[torch.arange(len(ids)), torch.tensor(ids)]
+        torch.testing.assert_close(torch.tensor(got[HOLD:]), ref[HOLD:], atol=1e-4, rtol=0)
 
 
 def test_in_place_pause_continues_each_request_on_the_new_weights_with_its_tokens_versions(qwen2, ckpts):
@@ -506,23 +526,22 @@ def test_in_place_pause_continues_each_request_on_the_new_weights_with_its_token
     length, and ``weight_versions`` says which tokens each version sampled."""
     reset(qwen2, ckpts["qwen2", 0])
     assert post(qwen2, "/update_weight_version", {"new_version": "7"}).status_code == 200
-    batch = {"input_ids": [[1, 2, 3], [6, 5, 4]], "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}}
+    batch = {"input_ids": [[1, 2, 3], [6, 5, 4]], "sampling_params": {"max_new_tokens": LENGTH, "ignore_eos": True}}
     results = {}
-    t = threading.Thread(target=lambda: results.update(out=generate(qwen2, batch)))
-    t.start()
-    _busy(qwen2)
+    t = start_held(qwen2, batch, results, "out")
     post(qwen2, "/pause_generation", {"mode": "in_place"})
     assert post(qwen2, "/flush_cache").status_code == 400  # parked in place: the KV cache is kept
     r = post(qwen2, "/update_weights_from_disk", {"model_path": ckpts["qwen2", 1], "weight_version": "8"})
     assert r.status_code == 200, r.text
     post(qwen2, "/continue_generation")
-    t.join(60)
+    join(t)
     for out in results["out"]:
         meta = out["meta_info"]
-        assert meta["finish_reason"] == {"type": "length", "length": 240} and meta["weight_version"] == "8"
-        (v7, v8) = meta["weight_versions"]
-        assert (v7["version"], v7["start"], v8["version"], v8["end"]) == ("7", 0, "8", 240)
-        assert v7["end"] == v8["start"] and 0 < v8["start"] < 240
+        assert meta["finish_reason"] == {"type": "length", "length": LENGTH} and meta["weight_version"] == "8"
+        assert meta["weight_versions"] == [
+            {"version": "7", "start": 0, "end": HOLD},
+            {"version": "8", "start": HOLD, "end": LENGTH},
+        ]
 
 
 # ---- the name mapping, in process, on every supported architecture ----

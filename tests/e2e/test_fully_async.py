@@ -1,19 +1,21 @@
 """``trainer.async_mode: fully_async`` end to end on the tiny task (one rank in the driver, the CPU engine): weight
 syncs that land mid-generation continue the requests on the new weights (or cut and redo them), staleness stays
 within its bound, and a resumed run takes up the queue its checkpoint kept without losing or repeating a prompt.
-``RLSYS_FAULT_SLOW_ENGINE`` makes the engine slower than the trainer, so that syncs do land mid-generation.
+``SyncMidRound`` makes the syncs land mid-generation, at an exact token, on any host.
 (That one round ahead learns exactly as one_step_off: tests/e2e/test_async.py; the engines' per-token versions
 across an in-place pause: tests/dist/test_cpu_engine.py and, on SGLang, tests/sglang/test_sglang_sync.py.)"""
 
 import json
 import os
 import shutil
+import threading
+import time
 
 import pytest
 
 from rlsys.config import load_config
 from rlsys.controller.loop import train
-from rlsys.faults import SLOW_ENGINE
+from rlsys.faults import HOLD_ENDPOINT, HOLD_PARAM, HOLD_REQUESTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny-cpu-grpo.yaml")
@@ -32,38 +34,101 @@ def run(out, *overrides):
     return train(load_config(CONFIG, [f"trainer.output_dir={out}", *KEYS, *overrides]), use_ray=False)
 
 
-@pytest.fixture
-def slow_engine(monkeypatch):
-    # A round (a prefill and 4 decode steps of 64 samples) then takes ~1.3 s, 10x an update here: the sync lands
-    # while the next round is in flight on any machine whose update is not that slow. (0.05 s made the round only
-    # 2.5x an update here, and a slower CI machine's update outlasted it: no sync landed mid-round.)
-    monkeypatch.setenv(SLOW_ENGINE, "0.25")
+HOLD = 1  # output tokens every sample of a round has when the sync before its step pauses it
+STEPS = 3  # the syncs after updates 1 and 2 land on rounds 2 and 3
+# no sample ends before the hold (EOS is masked until then): every one of them is in flight at the sync
+MID_ROUND = [
+    f"trainer.steps={STEPS}",
+    "trainer.fully_async.queue_batches=2",
+    f"rollout.sampling.min_new_tokens={HOLD + 1}",
+]
 
 
-def _timings(history) -> list[tuple[float, float]]:
-    return [(round(m["time/rollout_s"], 2), round(m["time/update_s"] + m["time/sync_s"], 2)) for m in history]
+class SyncMidRound:
+    """Makes "a weight sync lands while a round is in flight" certain, with no slow engine and no timing: round
+    k + 1 (k < the last step) is sent only once the sync after update k has begun; its request asks the CPU engine
+    (``RLSYS_FAULT_HOLD_REQUESTS``) to stop after HOLD tokens until the next pause or continue, and the sync waits
+    until the engine holds it before it pauses the engine itself. That pause finds every sample at token HOLD,
+    sampled with the old weights, and ends the hold. Runs in the driver (``use_ray=False``): the producer thread
+    sends the rounds, the trainer's thread syncs. Keeps a timeline of rounds and syncs for failure messages."""
+
+    def __init__(self, monkeypatch, last_step: int, timeout_s: float = 120.0):
+        from rlsys.controller.weights import EngineSync
+        from rlsys.rollout.batch import EngineRollout
+        from rlsys.rollout.pool import EnginePool
+
+        monkeypatch.setenv(HOLD_REQUESTS, "1")  # the engines the run starts inherit it
+        self.last_step, self.timeout_s, self.t0, self.timeline = last_step, timeout_s, time.monotonic(), []
+        self.cond, self.sync_begun, self.hold_next = threading.Condition(), 0, False
+        scored_round, after_update, generate = EngineRollout.scored_round, EngineSync.after_update, EnginePool.generate
+
+        def gated_round(source, step, timer):  # the producer's round ``step`` (seeded as step ``step``)
+            if 2 <= step <= self.last_step:
+                with self.cond:
+                    begun = self.cond.wait_for(lambda: self.sync_begun >= step - 1, timeout=self.timeout_s)
+                assert begun, f"round {step}: sync {step - 1} never began: {self.timeline}"
+                self.hold_next = True  # its first request; not the samples an abort has generated again
+            self.note(f"round {step} sent" + (" (held)" if self.hold_next else ""))
+            try:
+                return scored_round(source, step, timer)
+            finally:
+                self.note(f"round {step} back")
+
+        def held_generate(pool, prompts, sampling, **kw):
+            if self.hold_next:
+                self.hold_next = False
+                sampling = dict(sampling, custom_params={HOLD_PARAM: HOLD})
+            return generate(pool, prompts, sampling, **kw)
+
+        def gated_sync(sync, step):  # the trainer's sync after update ``step``
+            with self.cond:
+                self.sync_begun = step
+                self.cond.notify_all()
+            if step < self.last_step:  # round step + 1 is on its way: wait until the engine holds it
+                held = sync.engines.clients[0].request(
+                    "POST", HOLD_ENDPOINT, json={"count": 1, "timeout": self.timeout_s}, timeout_s=self.timeout_s + 30
+                )
+                assert held["success"], f"sync {step}: round {step + 1} never stood held: {self.timeline}"
+                self.note(f"sync {step}: round {step + 1} held at token {HOLD}")
+            self.note(f"sync {step} starts")
+            try:
+                return after_update(sync, step)
+            finally:
+                self.note(f"sync {step} ends")
+
+        monkeypatch.setattr(EngineRollout, "scored_round", gated_round)
+        monkeypatch.setattr(EnginePool, "generate", held_generate)
+        monkeypatch.setattr(EngineSync, "after_update", gated_sync)
+
+    def note(self, event: str) -> None:
+        self.timeline.append(f"{time.monotonic() - self.t0:.2f}s {event}")
 
 
-def test_syncs_mid_generation_continue_the_requests_and_their_tokens_carry_both_versions(tmp_path, slow_engine):
+def test_syncs_mid_generation_continue_the_requests_and_their_tokens_carry_both_versions(tmp_path, monkeypatch):
     """``partial_rollout: continue`` with the sync's default ``pause_mode`` (retract: the requests recompute their
     KV cache on the new weights)."""
-    history = run(tmp_path / "run", "trainer.steps=6", "trainer.fully_async.queue_batches=2")
-    partial = [m["async/partial_samples"] for m in history]
-    assert max(partial) > 0.5, (partial, "(round s, update + sync s):", _timings(history))  # a round straddled a sync
+    race = SyncMidRound(monkeypatch, STEPS)
+    history = run(tmp_path / "run", *MID_ROUND)
+    what = [(m["async/partial_samples"], m["rollout/staleness"]) for m in history], race.timeline
+    # rounds 2 and 3 straddled a sync: each sample's first token on the old weights, the rest on the new
+    assert [m["async/partial_samples"] for m in history] == [0.0, 1.0, 1.0], what
+    assert [m["async/versions_per_sample"] for m in history] == [1.0, 2.0, 2.0], what
+    assert [m["rollout/staleness"] for m in history] == [0.0, 1.0, 1.0], what  # one version back: within 2
     for m in history:
-        assert m["rollout/staleness"] <= 2.0 and m["async/dropped_stale_groups"] == 0.0
+        assert m["async/dropped_stale_groups"] == 0.0
         assert sum(m[f"async/staleness_hist/{k}"] for k in range(3)) == pytest.approx(1.0)
-        # a continued sample started one version back and ended on the next: at most two versions each
-        assert 1.0 <= m["async/versions_per_sample"] <= 2.0
         assert m.get("rollout/regenerated_samples", 0.0) == 0.0
 
 
-def test_syncs_mid_generation_abort_the_requests_and_they_are_generated_again(tmp_path, slow_engine):
-    keys = ["trainer.steps=6", "trainer.fully_async.queue_batches=2", "trainer.fully_async.partial_rollout=abort"]
-    history = run(tmp_path / "run", *keys)
-    assert sum(m["rollout/regenerated_samples"] for m in history) > 0, _timings(history)
-    assert all(m["async/partial_samples"] == 0.0 and m["rollout/staleness"] <= 2.0 for m in history)
-    assert all(m["response/length_mean"] > 1.0 for m in history)  # whole answers, not cut-off stumps
+def test_syncs_mid_generation_abort_the_requests_and_they_are_generated_again(tmp_path, monkeypatch):
+    race = SyncMidRound(monkeypatch, STEPS)
+    history = run(tmp_path / "run", *MID_ROUND, "trainer.fully_async.partial_rollout=abort")
+    regenerated = [m.get("rollout/regenerated_samples") for m in history]
+    what = regenerated, [m["rollout/staleness"] for m in history], race.timeline
+    # every sample of rounds 2 and 3 was cut at its first token and generated again, whole, on the new weights
+    assert regenerated == [0.0, 64.0, 64.0], what
+    assert all(m["async/partial_samples"] == 0.0 and m["rollout/staleness"] == 0.0 for m in history), what
+    assert all(m["response/length_mean"] > HOLD for m in history)  # whole answers, not cut-off stumps
 
 
 def test_weights_sync_every_two_updates_and_samples_lag_within_the_bound(tmp_path):

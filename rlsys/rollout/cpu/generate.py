@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlsys.faults import slow_engine_s
+from rlsys.faults import HOLD_REQUESTS, Hold, hold_requests, request_holds, slow_engine_s
 from rlsys.rollout.cpu.routing import RoutingCapture, SampleRoutes
 
 # SGLang sampling keys the CPU engine has no use for; accepted and ignored.
@@ -118,6 +118,8 @@ class Request:
     aborted: bool = False  # set by /abort_request or /pause_generation(mode="abort")
     return_routed_experts: bool = False  # MoE: meta_info routed_experts (rlsys.rollout.cpu.routing)
     routed_experts_start_len: int = 0
+    hold: Hold | None = None  # test hook (rlsys.faults.HOLD_REQUESTS)
+    generated: int = 0  # output tokens so far
 
 
 def parse_request(body: dict, tokenizer, next_seed) -> tuple[list[Request], bool, bool]:
@@ -141,7 +143,9 @@ def parse_request(body: dict, tokenizer, next_seed) -> tuple[list[Request], bool
         value = default if value is None else value
         return list(value) if isinstance(value, list) else [value] * len(prompts)
 
-    params = [SamplingParams.parse(p) for p in per_prompt("sampling_params", {})]
+    raw_params = per_prompt("sampling_params", {})
+    params = [SamplingParams.parse(p) for p in raw_params]
+    holds = request_holds(raw_params)
     want_lp, start, top = (
         per_prompt(k, d) for k, d in [("return_logprob", False), ("logprob_start_len", -1), ("top_logprobs_num", 0)]
     )
@@ -162,7 +166,7 @@ def parse_request(body: dict, tokenizer, next_seed) -> tuple[list[Request], bool
             seed = p.sampling_seed + i * p.n + j if p.sampling_seed is not None else next_seed()
             rid = rids[i] if rids[i] and p.n == 1 else uuid.uuid4().hex  # SGLang gives each of n samples a new rid
             lp_args = (bool(want_lp[i]), int(start[i]), int(top[i] or 0))
-            samples.append(Request(rid, prompt, p, seed, *lp_args, False, routed, routed_start))
+            samples.append(Request(rid, prompt, p, seed, *lp_args, False, routed, routed_start, holds[i]))
     is_single = is_single and params[0].n == 1
     return samples, is_single, bool(body.get("return_text_in_logprobs"))
 
@@ -362,6 +366,7 @@ class Generator:
             row[[t for t in q.stop_ids if t < row.numel()]] = float("-inf")
         token, logprobs = sample_token(row, p, q.gen)
         q.out.append(token)
+        q.s.generated = len(q.out)
         q.versions.append(self.version())
         q.lps.append(float(logprobs[token]))
         if q.s.top_logprobs_num > 0:
@@ -483,6 +488,8 @@ class Gate:
         self.parked_in_place = 0  # paused requests that keep their KV cache
         self.loading = False
         self.loads_waiting = 0
+        self.controls = 0  # set_pause calls (pause and continue) so far: they end a test hold
+        self.held = 0  # requests stopped by their test hold (rlsys.faults.HOLD_REQUESTS)
 
     @contextlib.contextmanager
     def generating(self):
@@ -498,6 +505,8 @@ class Gate:
 
     def between_tokens(self, sample) -> str:
         with self.cond:
+            if sample.hold is not None and not sample.hold.done and sample.generated >= sample.hold.at:
+                self._hold(sample, sample.hold)
             if sample.aborted or self.pause_mode == "abort":
                 return "abort"
             if self.pause_mode is None:
@@ -510,6 +519,24 @@ class Gate:
             self.running += 1
             self.parked_in_place -= in_place
         return "abort" if sample.aborted else ("recompute" if mode == "retract" else "continue")
+
+    def _hold(self, sample, hold: Hold) -> None:
+        """Test hook: wait, inside the model (``running``: a weight load without a pause waits too), until the
+        next pause or continue, or the sample's abort; the request's other samples go on past it then."""
+        controls = self.controls
+        self.held += 1
+        self.cond.notify_all()
+        self.cond.wait_for(lambda: sample.aborted or self.controls != controls)
+        self.held -= 1
+        hold.done = True
+
+    def held_reply(self, body: dict) -> dict:
+        """``rlsys.faults.HOLD_ENDPOINT``: whether ``count`` requests stand held (``_hold``) within ``timeout`` s."""
+        if not hold_requests():
+            return {"success": False, "message": f"{HOLD_REQUESTS} is not set: no request is held"}
+        count, timeout_s = int(body.get("count", 1)), float(body.get("timeout") or 0)
+        with self.cond:
+            return {"success": self.cond.wait_for(lambda: self.held >= count, timeout=timeout_s), "held": self.held}
 
     @contextlib.contextmanager
     def exclusive(self):
@@ -534,6 +561,7 @@ class Gate:
     def set_pause(self, mode: str | None) -> None:
         with self.cond:
             self.pause_mode = mode
+            self.controls += 1
             self.cond.notify_all()
 
     def wait_paused(self, timeout_s: float) -> bool:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from aiohttp import web
 
 from rlsys.architectures.hf_checkpoint import HFCheckpoint
-from rlsys.faults import engine_dies
+from rlsys.faults import HOLD_ENDPOINT, engine_dies
 from rlsys.host_memory import keep_freed_memory
 from rlsys.host_threads import own_threads, single_threaded
 from rlsys.lifetime import exit_with_parent
@@ -503,6 +503,7 @@ def build_app(engine: CPUEngine, api_key: str | None = None, max_request_bytes: 
     for path, (methods, name, control) in ROUTES.items():
         for m in methods:
             app.router.add_route(m, path, handler(getattr(engine, name), ctl_pool if control else gen_pool))
+    app.router.add_post(HOLD_ENDPOINT, handler(lambda body: _json(engine.gate.held_reply(body)), ctl_pool))  # test hook
     return app
 
 
