@@ -24,6 +24,7 @@ setup(
         "tensorboard>=2.14",
         "math-verify>=0.8",  # math answer equivalence for the "math" reward
         "pyarrow>=14",  # Parquet prompt datasets
+        "setproctitle",  # a forked CPU engine shows its own command line in ps (rlsys.fork_server)
     ],
     extras_require={
         # Optional GPU acceleration: rlsys detects and uses them, and falls back without.

@@ -105,53 +105,6 @@ def set_rank_env(rank: int, world: int, port: int) -> None:
     )
 
 
-# What every rank imports. The ranks fork from one server process that imported these once (multiprocessing's
-# forkserver), so a rank starts in ~0.1 s instead of a fresh interpreter importing torch, megatron and transformers
-# again (6-15 s on 2 cores; the test suite starts about 150 rank sets). Forking is safe there: the server only
-# imported (no thread, no OpenMP team, no CUDA context), and each rank is a fresh fork of that state.
-RANK_PRELOAD = (
-    "torch",
-    "torch.distributed",
-    "transformers",
-    "megatron.core.parallel_state",
-    "rlsys.megatron.model",
-    "rlsys.worker.actor",
-    "rlsys.worker.critic",
-    "rlsys.sync.distributed",
-    "rlsys.convert.mcore_checkpoint",
-    "rlsys.parity",
-)
-
-
-class _ParentFd:
-    """One of the caller's file descriptors, handed to a forked rank (SCM_RIGHTS through the forkserver) so that
-    the rank writes where its caller's stdout/stderr go now, not where they went when the server started (under
-    pytest: the capture of the test that started it)."""
-
-    def __init__(self, fd: int):
-        self.fd = fd
-
-    def __reduce__(self):
-        from multiprocessing import reduction
-
-        return _received_fd, (reduction.DupFd(self.fd),)
-
-
-def _received_fd(dup) -> int:
-    return dup.detach()
-
-
-def _forked_rank(rank: int, env: dict, out, err, fn, world: int, port: int, *args) -> None:
-    """A rank forked from the server: the caller's environment and output first, then ``fn``."""
-    for fd, target in ((out, 1), (err, 2)):
-        os.dup2(fd, target)
-        os.close(fd)
-    os.environ.clear()
-    os.environ.update(env)  # the server's is that of the moment it started: faults and settings set since count
-    sys.stdout.flush()
-    fn(rank, world, port, *args)
-
-
 def spawn_ranks(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, port, *args)`` in ``world`` fresh processes and wait for all.
 
@@ -159,17 +112,18 @@ def spawn_ranks(fn, world: int, *args) -> None:
     """
     import torch.multiprocessing as mp
 
+    from rlsys import fork_server
     from rlsys.telemetry.noise import worker_env
 
     noise = worker_env()  # the server, when this call starts it, filters library noise before its imports
     saved = {key: os.environ.get(key) for key in noise}
     os.environ.update(noise)
     try:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(list(RANK_PRELOAD))  # read when the server starts (the first call)
+        fork_server.context()  # ranks fork from the server that imported torch, megatron and transformers once
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
-        args = (dict(os.environ), _ParentFd(1), _ParentFd(2), fn, world, free_port(), *args)
+        out, err = fork_server.ParentFd(1), fork_server.ParentFd(2)
+        args = (dict(os.environ), out, err, os.getcwd(), fn, world, free_port(), *args)
         mp.start_processes(_forked_rank, args=args, nprocs=world, join=True, start_method="forkserver")
     finally:
         for key, value in saved.items():
@@ -177,6 +131,14 @@ def spawn_ranks(fn, world: int, *args) -> None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _forked_rank(rank: int, env: dict, out: int, err: int, cwd: str, fn, world: int, port: int, *args) -> None:
+    """A rank forked from the server (``rlsys.fork_server``): the caller's environment and output, then ``fn``."""
+    from rlsys.fork_server import take_over
+
+    take_over(env, out, err, cwd)
+    fn(rank, world, port, *args)
 
 
 def _rank_main(rank: int, world: int, port: int, device: str, error_path: str, fn, args) -> None:

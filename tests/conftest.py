@@ -9,6 +9,15 @@ from rlsys.architectures.hf_config import SUPPORTED_MODEL_TYPES
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
+def pytest_collection_finish(session):
+    """Where the session runs multi-process tests, start the fork server now (rlsys.fork_server): its imports run
+    beside the first tests, and every rank set and CPU engine of the session forks from it ready-imported."""
+    if any(item.get_closest_marker("dist") for item in session.items):
+        from rlsys import fork_server
+
+        fork_server.start()
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
     """``{model_type: checkpoint_dir}`` built once per test session (no downloads)."""

@@ -14,7 +14,7 @@ from rlsys.controller.loop import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny-cpu-grpo.yaml")
-ROLES = {"rank": "ray::RankWorker", "engine": "rlsys.rollout.cpu.server"}
+ROLES = {"rank": "ray::RankWorker", "engine": "-m rlsys.rollout.cpu.server"}  # a forked engine shows its own
 
 
 def rlsys_processes() -> dict[int, str]:
