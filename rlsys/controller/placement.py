@@ -77,6 +77,7 @@ class Placement:
         devices each. ``create`` derives them from the config."""
         self.pg, self.devices, self.cuda = pg, devices, cuda
         self.sizes, self.offsets, self.num_engines, self.engine_tp = sizes, offsets, engines, engine_tp
+        self.node_id = _this_node_id()  # the controller's node: its engines start as its own processes
 
     @classmethod
     def create(cls, cfg: RunConfig, timeout_s: float = 60.0) -> Placement:
@@ -148,6 +149,10 @@ class Placement:
         GPU of the node (the engine picks its own with ``--base-gpu-id``)."""
         return self._options(self.engine_devices(index)[0], NOSET_CUDA if self.cuda else {})
 
+    def here(self, device: int) -> bool:
+        """Whether ``device`` is on the node this process (the controller) runs on."""
+        return self.devices[device].node_id == self.node_id
+
     def node_ip(self, device: int) -> str:
         return self.devices[device].node_ip
 
@@ -178,6 +183,12 @@ class Placement:
         for i in range(self.num_engines):
             devices = self.engine_devices(i)
             check_engine_gpus(i, [self.gpu_id(d) for d in devices], self.node_ip(devices[0]))
+
+
+def _this_node_id() -> str | None:
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 def _probe(pg, count: int, cuda: bool) -> list[Device]:

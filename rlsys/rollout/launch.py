@@ -423,17 +423,13 @@ def start_engines(
     try:
         for i in range(cfg.num_engines):
             log, name = os.path.join(log_dir, f"{kind}_{i}.log"), f"{kind}[{i}]"
-            if placement is not None:
+            if placement is not None and not placement.here(placement.engine_devices(i)[0]):
                 gpu = placement.gpu_id(placement.engine_devices(i)[0]) or 0
                 command = functools.partial(_placed_command, build, i, gpu, _on_node(placement, i, cfg.num_engines))
                 options = placement.engine_options(i)
                 servers.append(RemoteServer(command, options=options, log_file=log, name=name, leftovers=leftovers))
             else:
-                port = free_port("127.0.0.1")
-                command = build(i, base_gpu_id=i * cfg.tp, port=port)
-                left = leftovers(port) if leftovers else ()
-                url = f"http://127.0.0.1:{port}"
-                servers.append(ServerProcess(command, url, log_file=log, name=name, leftovers=left))
+                servers.append(_local_server(build, i, cfg, placement, log, name, leftovers))
         urls = [s.url for s in servers]  # placed: waits for the hosts, which start in parallel
     except BaseException:
         for s in servers:
@@ -460,6 +456,27 @@ def _run_router(cfg: RolloutConfig, urls: list[str], log_dir: str, api_key: str 
         return None
     log = os.path.join(log_dir, "sglang_router.log")
     return sglang_router(urls, python=cfg.sglang_python, log_file=log, api_key=api_key)
+
+
+def _local_server(build, index: int, cfg: RolloutConfig, placement, log: str, name: str, leftovers) -> ServerProcess:
+    """Engine ``index`` as a process of this one: without a placement on the first devices of this machine, on
+    loopback; placed on this process's node, on the node's address with the placement's environment, as its host
+    actor would start it there (without one between: no actor to start, and the CPU engine forks from
+    ``rlsys.fork_server`` where this process uses it)."""
+    if placement is None:
+        host, gpu, on_node, env = "127.0.0.1", index * cfg.tp, None, {}
+    else:
+        device = placement.engine_devices(index)[0]
+        host, gpu, on_node = (
+            placement.node_ip(device),
+            placement.gpu_id(device) or 0,
+            _on_node(placement, index, cfg.num_engines),
+        )
+        env = placement.engine_options(index).get("runtime_env", {}).get("env_vars", {})
+    port = free_port(host)
+    command = build(index, base_gpu_id=gpu, host=host, port=port, on_node=on_node)
+    left = leftovers(port) if leftovers else ()
+    return ServerProcess(command, f"http://{host}:{port}", env=env, log_file=log, name=name, leftovers=left)
 
 
 def _placed_command(build, index: int, gpu: int, on_node: tuple[int, int], host: str, port: int) -> list:
