@@ -1,9 +1,9 @@
 """Python processes forked from one server that imported the heavy libraries once.
 
 A fresh interpreter spends 5-15 s on 2 cores importing torch, megatron and transformers before it does
-anything; a rank set of a conversion or a parity check, or rlsys's CPU engine (restarted after a crash, or one per
-run of a test suite), pays that again each time. multiprocessing's forkserver imports ``PRELOAD`` once, in a
-server process started on the first use, and forks every later process from it in ~0.1 s. Forking there is safe:
+anything; every rank of a conversion or a parity check, and rlsys's CPU engine (one per run of a test suite), pays
+that again each time. multiprocessing's forkserver imports them once (``RANKS``, ``ENGINES``), in a server process
+started on the first use, and forks every later process from it in ~0.1 s. Forking there is safe:
 the server only imported (no thread, no OpenMP team, no CUDA context), and each process is a fresh fork of that.
 
 A forked process gets its caller's environment, working directory and stdout/stderr of the moment it starts, not
@@ -19,8 +19,9 @@ import subprocess
 import sys
 import threading
 
-# Imported once by the server: what a rank (rlsys.local_ranks) and the CPU engine import.
-PRELOAD = (
+# Imported once by the server, what a rank (rlsys.local_ranks) imports: where a process only spawns ranks (a
+# conversion, a parity check), the server imports this, about what each spawned rank imported before.
+RANKS = (
     "torch",
     "torch.distributed",
     "transformers",
@@ -31,6 +32,9 @@ PRELOAD = (
     "rlsys.sync.distributed",
     "rlsys.convert.mcore_checkpoint",
     "rlsys.parity",
+)
+# ... and what the CPU engine imports, for a process that forks both (``start(engines=True)``: a test session)
+ENGINES = (
     "rlsys.rollout.cpu.server",
     # what the CPU engine's AutoModelForCausalLM loads for each supported architecture
     "transformers.models.llama.modeling_llama",
@@ -38,8 +42,8 @@ PRELOAD = (
     "transformers.models.qwen3.modeling_qwen3",
     "transformers.models.qwen3_moe.modeling_qwen3_moe",
     "transformers.models.deepseek_v3.modeling_deepseek_v3",
-    "rlsys.fork_server_ready",  # last: freezes what the others created (gc.freeze)
 )
+READY = "rlsys.fork_server_ready"  # last: freezes what the others created (gc.freeze)
 
 # Modules ``python -m MODULE`` runs that may start as a fork instead (their ``main(argv)``): rlsys's own servers
 FORKABLE_MAINS = {"rlsys.rollout.cpu.server"}
@@ -48,25 +52,28 @@ FORKABLE_MAINS = {"rlsys.rollout.cpu.server"}
 _used = False  # whether this process started processes from the server (it runs, or starts with the next)
 
 
-def context():
-    """The forkserver context, its server preloading ``PRELOAD`` (read when the server starts: the first use)."""
+def context(engines: bool = False):
+    """The forkserver context, its server preloading ``RANKS`` (and ``ENGINES``): read when the server starts, so
+    the first caller's list holds for the process; a fork imports whatever else it needs itself."""
     import multiprocessing as mp
 
     global _used
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
+    if not _used:
+        ctx.set_forkserver_preload([*RANKS, *(ENGINES if engines else ()), READY])
     _used = True
     return ctx
 
 
-def start() -> None:
-    """Start the server now, for a process that will fork many (a test session): its imports run in the server's
-    own process, beside whatever this one does next, with library noise filtered (``rlsys.telemetry.noise``)."""
+def start(engines: bool = True) -> None:
+    """Start the server now, for a process that will fork many ranks and engines (a test session): its imports run
+    in the server's own process, beside whatever this one does next, with library noise filtered
+    (``rlsys.telemetry.noise``)."""
     from multiprocessing import forkserver
 
     from rlsys.telemetry.noise import worker_env
 
-    context()
+    context(engines)
     noise = worker_env()
     saved = {key: os.environ.get(key) for key in noise}
     os.environ.update(noise)
@@ -128,7 +135,6 @@ def _run_main(env: dict, out: int, err: int, cwd: str, title: str, module: str, 
     """The forked process of ``ForkedMain``: its own session (a process group to signal, as a server started with
     ``start_new_session``), the caller's environment and output, the command line in ``ps``, then ``main``."""
     import importlib
-
     import multiprocessing
 
     os.setsid()
