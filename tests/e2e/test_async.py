@@ -67,4 +67,4 @@ def test_async_under_ray_with_a_tp2_actor(tmp_path, mode):
     cfg = load_config(CONFIG, [f"trainer.output_dir={tmp_path / 'ray'}", "logging.tensorboard=false", *keys])
     history = train(cfg)
     assert [m["rollout/staleness"] for m in history] == [0.0] + [1.0] * 5
-    assert all(m["rollout/logprob_diff_max"] < 1e-3 for m in history[:1])  # step 1: on-policy, same weights
+    assert all(m["rollout/logprob_diff_max"] < 1e-4 for m in history[:1])  # step 1: on-policy, same weights

@@ -147,7 +147,7 @@ def test_an_engine_that_dies_mid_call_is_restarted_resynced_and_the_step_complet
     assert [m["step"] for m in history] == [1, 2, 3]
     assert history[0]["rollout/engine_restarts"] == 0 and history[-1]["rollout/engine_restarts"] == 1
     for m in history:  # the restarted engine serves the trained weights, with the right version
-        assert m["rollout/logprob_diff_max"] < 1e-3, m["rollout/logprob_diff_max"]
+        assert m["rollout/logprob_diff_max"] < 1e-4, m["rollout/logprob_diff_max"]  # fp32 both sides
         assert m["rollout/weight_version"] == m["step"]
 
 

@@ -67,7 +67,7 @@ def test_each_algorithm_trains(tmp_path, name):
     assert [m["step"] for m in history] == [1, 2]
     for m in history:
         assert finite(m), m
-        assert m["rollout/logprob_diff_max"] < 1e-3
+        assert m["rollout/logprob_diff_max"] < 1e-4  # fp32 engine and trainer: ~1e-5 measured
         assert m["rollout/weight_version"] == m["step"]
         assert "actor/pg_loss" in m and m["actor/grad_norm"] > 0
     if name == "dapo":
@@ -92,7 +92,7 @@ def test_rollout_only_then_train_only_replays_the_saved_batches(tmp_path):
         assert finite(t) and "actor/pg_loss" in t and "time/rollout_s" not in t
     # the engine's log-probs were saved with the batch: the untrained actor matches them at step 1; all
     # saved batches came from the initial weights, so at step 2 the updated actor differs (off-policy)
-    assert trained[0]["rollout/logprob_diff_max"] < 1e-3
+    assert trained[0]["rollout/logprob_diff_max"] < 1e-4
     assert trained[1]["rollout/logprob_diff_max"] > 1e-3
     with pytest.raises(UserError, match="--rollout-only"):
         run(tmp_path, "nothing", 1, mode="train", replay_dir=str(tmp_path / "missing"))
@@ -116,7 +116,7 @@ def test_colocated_turns_offload_release_and_critic_warmup(tmp_path):
     for m in history:
         assert finite(m), m
         # the engines released their weights after each rollout: they only match because the sync re-sent them
-        assert m["rollout/logprob_diff_max"] < 1e-3
+        assert m["rollout/logprob_diff_max"] < 1e-4
         assert m["rollout/weight_version"] == m["step"]
     assert (tmp_path / "turns" / "checkpoints").exists()  # saving onloaded the offloaded roles
 
