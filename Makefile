@@ -26,19 +26,30 @@ endif
 # The whole CPU suite: unit tests, the multi-process (gloo) tests, and the tests against the real
 # SGLang server (CPU backend, built from ../shared/sglang-cpu where this CPU has AVX-512 BF16). The
 # SGLang contract environment (sglang's request classes, without its CUDA torch) is built once.
-# Whatever cannot be built here is skipped, and -rs prints each skip's reason in the summary. The 30 slowest
-# tests are printed at the end, and every test's outcome and time go to $(RESULTS)/junit.xml.
+# Whatever cannot be built here is skipped, and -rs prints each skip's reason in the summary.
+# Two phases: the tests in $(TEST_WORKERS) pytest-xdist workers, a module's tests on one worker (its fixtures, an
+# SGLang server say, start once); then the tests marked `serial` alone (the soak test, which reads /dev/shm and its
+# processes' memory over minutes). Each phase prints its 30 slowest tests and writes a JUnit XML into $(RESULTS)/;
+# a failure in the first does not skip the second, and `make test` fails if either did (a phase that selects no
+# test, with PYTEST_ARGS, is no failure).
 RESULTS := test-results
-PYTEST_REPORT = -rs --durations=30 --junitxml=$(RESULTS)/junit.xml
+TEST_WORKERS ?= 2
+PYTEST_REPORT = -rs --durations=30
 
 test: install
 	@bash tests/contract/setup_sglang_contract.sh
 	@bash tests/sglang/setup_sglang_cpu.sh
 	@PYTHON=$(PY) bash tools/get_smollm2.sh >/dev/null || echo "SmolLM2-135M could not be fetched: its tests skip"
-	$(PY) -m pytest -q $(PYTEST_REPORT) $(PYTEST_ARGS) tests
+	@rc=0; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not serial" $(PYTEST_REPORT) \
+	  --junitxml=$(RESULTS)/junit.xml $(PYTEST_ARGS) tests || rc=$$?; \
+	$(PY) -m pytest -q -m serial $(PYTEST_REPORT) --junitxml=$(RESULTS)/junit-serial.xml $(PYTEST_ARGS) tests \
+	  || { code=$$?; [ $$code -eq 5 ] || rc=$$((rc ? rc : code)); }; \
+	exit $$rc
 
+# The edit-test loop: what is not marked slow (unit tests and the quickest multi-process ones).
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_REPORT) $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not slow and not serial" $(PYTEST_REPORT) $(PYTEST_ARGS) tests
 
 test-slow: install
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) tests

@@ -35,7 +35,7 @@ setup(
         "wandb": ["wandb>=0.17"],
         # Reading GGUF files (rlsys.convert.gguf: transformers' GGUF loader needs both).
         "gguf": ["gguf>=0.10", "accelerate"],
-        "dev": ["pytest>=8", "pytest-timeout", "ruff", "gguf>=0.10", "accelerate", "openai>=1.40"],
+        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5", "ruff", "gguf>=0.10", "accelerate", "openai>=1.40"],
     },
     entry_points={"console_scripts": ["rlsys=rlsys.cli:main"]},
 )

@@ -26,10 +26,12 @@ def test_one_step_off_learns_like_sync_and_fully_async_one_round_ahead_exactly_l
     steps = ["trainer.steps=100", "trainer.export_hf=false"]
     sync = run(tmp_path, "sync", *steps)
     ahead = run(tmp_path, "ahead", *steps, "trainer.async_mode=one_step_off")
-    # one round ahead, and the syncs wait for the round in flight: what one_step_off does, as a stream
+    # one round ahead, and the syncs wait for the round in flight: what one_step_off does, as a stream; its first
+    # 30 steps must equal one_step_off's exactly (equal from the first step, whatever the run's length)
     stream = run(
-        tmp_path, "stream", *steps, "trainer.async_mode=fully_async", "trainer.fully_async.partial_rollout=wait"
-    )
+        tmp_path, "stream", "trainer.steps=30", "trainer.export_hf=false", "trainer.async_mode=fully_async",
+        "trainer.fully_async.partial_rollout=wait",
+    )  # fmt: skip
     assert [m["rollout/staleness"] for m in sync] == [0.0] * 100
     assert [m["rollout/staleness"] for m in ahead] == [0.0] + [1.0] * 99
     assert [m["rollout/weight_version"] for m in ahead][1:] == [float(n) for n in range(1, 100)]
@@ -38,6 +40,7 @@ def test_one_step_off_learns_like_sync_and_fully_async_one_round_ahead_exactly_l
     assert late["ahead"] > early + 0.3, (early, late)  # it learns
     assert abs(late["ahead"] - late["sync"]) < 0.2, late  # about as fast as the synchronous loop
     # the stream trains on the same samples (round k is seeded as step k), so it learns exactly as one_step_off
+    assert len(stream) == 30
     for a, b in zip(ahead, stream):
         for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "rollout/staleness", "rollout/weight_version"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])

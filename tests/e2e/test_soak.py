@@ -12,7 +12,7 @@ import pytest
 from rlsys.config import load_config
 from rlsys.controller.loop import train
 
-pytestmark = [pytest.mark.slow, pytest.mark.dist]
+pytestmark = [pytest.mark.slow, pytest.mark.dist, pytest.mark.serial]  # host-wide /dev/shm, memory over minutes
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny-cpu-grpo.yaml")
 ROLES = {"rank": "ray::RankWorker", "engine": "-m rlsys.rollout.cpu.server"}  # a forked engine shows its own
 
