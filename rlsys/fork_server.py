@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -213,9 +214,10 @@ def _skip_main_in_preparation() -> None:
 
 
 class ForkedMain:
-    """``python -m MODULE ARGS`` started as a fork of the server: ``subprocess.Popen``'s ``pid``, ``poll``,
-    ``wait`` and ``returncode`` (negative: the signal that ended it), in a session of its own (``pid`` is its
-    process group), its stdout and stderr on the file descriptor ``log_fd`` (or /dev/null)."""
+    """``python -m MODULE ARGS`` started as a fork of the server, with ``subprocess.Popen``'s ``pid``, ``poll``,
+    ``wait``, ``send_signal``, ``terminate``, ``kill`` and ``returncode`` (negative: the signal that ended it); in a
+    session of its own (``pid`` is its process group), its stdout and stderr on the descriptor ``log_fd`` (or
+    /dev/null)."""
 
     def __init__(self, command: list[str], env: dict[str, str], log_fd: int | None = None):
         module = forkable(command)
@@ -245,6 +247,16 @@ class ForkedMain:
 
     def poll(self) -> int | None:
         return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int:
         self._process.join(timeout)

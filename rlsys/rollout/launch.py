@@ -28,6 +28,7 @@ import urllib.request
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from rlsys import fork_server
 from rlsys.local_ranks import free_port, node_address
 from rlsys.rollout.pool import EnginePool
 from rlsys.rollout.process import ServerProcess
@@ -171,7 +172,7 @@ def launch_cpu_engine(
     extra_args: tuple[str, ...] = (),
     timeout_s: float = 120.0,
     env: dict | None = None,
-) -> tuple[subprocess.Popen, str]:
+) -> tuple[subprocess.Popen | fork_server.ForkedMain, str]:
     """Start rlsys's CPU engine on this machine and wait until ``/health`` answers; returns ``(process, url)``.
 
     For tests and benchmarks (a run's engines come from ``start_engines``). Its output goes to the file
@@ -182,8 +183,12 @@ def launch_cpu_engine(
     cmd = [sys.executable, "-m", "rlsys.rollout.cpu.server", "--model-path", model_path, "--host", host]
     cmd += ["--port", str(port), "--dtype", dtype, "--seed", str(seed), "--weight-version", weight_version]
     cmd += ["--exit-with-parent"]
+    cmd, env = [*cmd, *extra_args], env or os.environ.copy()
     with os.fdopen(fd, "w") as log:
-        proc = subprocess.Popen([*cmd, *extra_args], stdout=log, stderr=subprocess.STDOUT, env=env or os.environ.copy())
+        if fork_server.in_use():  # forked ready-imported (rlsys.fork_server), as ServerProcess does
+            proc = fork_server.ForkedMain(cmd, env, log.fileno())
+        else:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     proc.log_path = log_path
     url, deadline = f"http://{host}:{port}", time.time() + timeout_s
     while True:

@@ -20,7 +20,7 @@ from rlsys.rollout.launch import start_engines
 
 ray = pytest.importorskip("ray")
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # a Ray cluster of three raylets
 
 GPUS_PER_NODE = 2
 
