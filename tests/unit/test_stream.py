@@ -74,9 +74,9 @@ def test_the_producer_runs_at_most_queue_batches_ahead_and_each_step_takes_whole
     try:
         first = s.next_batch(1, Timer())
         assert prompts_of(first) == [(1, 0), (1, 1)] and first.group_ids == [0, 0, 1, 1]
-        settle(lambda: len(s.queue) == 4)
-        time.sleep(0.2)
-        assert rounds.prompts.batches == 3 and len(s.queue) == 4  # two rounds wait; no third starts
+        settle(lambda: len(s.queue) == 4 and not s.in_flight)
+        # two rounds wait, and no third starts: the producer waits for room, which a full queue does not give
+        assert rounds.prompts.batches == 3 and len(s.queue) == 4 and not s._room()
         t = Timer()
         assert prompts_of(s.next_batch(2, t)) == [(2, 0), (2, 1)]
         assert "time/rollout_s" in t and "time/rollout_wait_s" in t
@@ -139,13 +139,13 @@ def test_partial_rollout_wait_holds_the_sync_until_the_round_in_flight_lands(tmp
         rounds.gate.clear()
         s.next_batch(2, Timer())  # room again: round 4 starts, blocked in generation
         settle(lambda: s.in_flight)
-        threading.Timer(0.3, rounds.gate.set).start()
+        # the round lands only once the sync holds the producer and waits for it
+        threading.Thread(target=lambda: (settle(lambda: s.held), rounds.gate.set()), daemon=True).start()
         t = Timer()
         with s.around_sync(t):
             assert not s.in_flight and rounds.prompts.batches == 4  # landed before the sync
-            time.sleep(0.2)
-            assert rounds.prompts.batches == 4  # and none starts during it
-        assert t["time/rollout_wait_s"] >= 0.2
+            assert not s._room()  # and none starts during it: the sync holds the producer
+        assert t["time/rollout_wait_s"] > 0
         s.next_batch(3, Timer())
         settle(lambda: rounds.prompts.batches == 5)  # released: the next round starts once there is room
     finally:

@@ -102,17 +102,18 @@ class _Producer:
     """Fills buckets for a ``Handoff`` and counts, on its own, the buckets alive: from the first tensor
     until the consumer is done with it."""
 
-    def __init__(self, consume_s: float = 0.0, fail_at: int | None = None):
-        self.lock = threading.Lock()
+    def __init__(self, slow: bool = False, fail_at: int | None = None):
+        self.lock = threading.Condition()
         self.alive = self.peak = 0
         self.consumed, self.slots_in_use = [], set()
-        self.consume_s, self.fail_at = consume_s, fail_at
+        self.slow, self.fail_at, self.done = slow, fail_at, False
 
     def consume(self, bucket, slot):
         with self.lock:
             assert slot not in self.slots_in_use, "a slot's buffer would be written while in use"
             self.slots_in_use.add(slot)
-        time.sleep(self.consume_s)
+            if self.slow:  # slower than the producer, certainly: done only once it began the next bucket
+                assert self.lock.wait_for(lambda: self.alive >= 2 or self.done, timeout=30)
         if bucket.names[0] == self.fail_at:
             raise ConnectionError("engine gone")
         with self.lock:
@@ -126,14 +127,18 @@ class _Producer:
                 assert handoff.slot not in self.slots_in_use
                 self.alive += 1
                 self.peak = max(self.peak, self.alive)
+                self.lock.notify_all()
             handoff.begin()
             bucket = Bucket()
             bucket.add(i, torch.zeros(4))
             handoff.put(bucket)
+        with self.lock:
+            self.done = True
+            self.lock.notify_all()
 
 
 def test_handoff_keeps_two_buckets_alive_with_a_slow_consumer():
-    p = _Producer(consume_s=0.02)
+    p = _Producer(slow=True)
     handoff = Handoff(p.consume, depth=2, timeout_s=10)
     p.run(handoff, 12)
     handoff.close()
