@@ -1,5 +1,8 @@
-"""Replies recorded from SGLang 0.5.23: what the protocol tests parse and the contract test checks
-against sglang's own classes."""
+"""SGLang 0.5.23's replies, in the shape its source builds them (written by hand from
+tokenizer_manager.py and http_server.py, not recorded): what the protocol tests parse and the contract test
+checks against sglang's own classes. ``tests/sglang/record_replies.py`` records real ones (a batch, an abort, a
+sample parked across a weight-version change) into ``tests/sglang_recordings.json`` on a CPU that runs SGLang;
+rlsys's parsing of live replies of those kinds is checked in ``tests/sglang`` on every such machine."""
 
 # A /generate reply of sglang 0.5.23 for 2 prompts x n=2, in the shape TokenizerManager builds it
 # (sglang/srt/managers/tokenizer_manager.py): prompt-major, text + output_ids + meta_info, logprob
