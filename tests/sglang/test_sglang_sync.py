@@ -316,7 +316,8 @@ def test_an_error_answer_is_raised_at_once_on_every_rank(sglang_engine, trained,
     assert all("error" in r for r in reports), reports
     assert "must run between begin_weight_update() and end_weight_update()" in reports[0]["error"]
     assert "failed on trainer rank 0" in reports[1]["error"] and "begin_weight_update" in reports[1]["error"]
-    assert max(r["seconds"] for r in reports) < 30, [r["seconds"] for r in reports]
+    # at once, not after the sync's 120 s timeout; 60 s leaves room for a host busy with other tests
+    assert max(r["seconds"] for r in reports) < 60, [r["seconds"] for r in reports]
     # the failed sync left the engine paused with part of its weights new; a sync that works brings it back
     reports = run_sync(trained, client.url, tmp_path, logprobs=True)
     assert "error" not in reports[0], reports[0]
@@ -389,7 +390,7 @@ def test_sglang_without_the_loader_refuses_delta_and_parts_at_once_and_takes_gat
         for opts, key in (({"delta": True}, "rollout.sync.delta"), ({"shards": "parts"}, "rollout.sync.shards")):
             reports = run_sync(trained, client.url, tmp_path, **opts)
             assert all(key in r["error"] and "--custom-weight-loader" in r["error"] for r in reports), reports
-            assert max(r["seconds"] for r in reports) < 10, reports
+            assert max(r["seconds"] for r in reports) < 60, reports  # at once: the sync's timeout is 120 s
         reports = run_sync(trained, client.url, tmp_path, compare=True)  # nothing was left paused or half-sent
     finally:
         server.stop()
@@ -436,7 +437,7 @@ def test_engine_killed_mid_generation_and_mid_sync_is_restarted_and_resynced(sgl
         assert len(outs) == 16 and {o.weight_version for o in outs} == {"1"}
         # mid-sync: reported at once on both ranks, then the restarted engine takes a full sync
         reports = run_sync(trained, server.url, tmp_path, kill_pid=server.pid, timeout_s=120)
-        assert all("error" in r for r in reports) and max(r["seconds"] for r in reports) < 30, reports
+        assert all("error" in r for r in reports) and max(r["seconds"] for r in reports) < 60, reports  # timeout 120
         assert pool.check_and_restart() == [0] and server.starts == 3
         assert "error" not in synced[-1][0], synced[-1]
         assert pool.clients[0].weight_version() == "1"
