@@ -72,14 +72,22 @@ def start(engines: bool = True) -> None:
     (``rlsys.telemetry.noise``)."""
     from multiprocessing import forkserver
 
+    context(engines)
+    with quiet_server():
+        forkserver.ensure_running()
+
+
+@contextlib.contextmanager
+def quiet_server():
+    """The environment the server starts with, where this block starts it: library noise filtered before its
+    imports (``rlsys.telemetry.noise``; the forks it makes get their caller's environment instead)."""
     from rlsys.telemetry.noise import worker_env
 
-    context(engines)
     noise = worker_env()
     saved = {key: os.environ.get(key) for key in noise}
     os.environ.update(noise)
     try:
-        forkserver.ensure_running()
+        yield
     finally:
         for key, value in saved.items():
             if value is None:

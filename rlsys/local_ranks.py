@@ -113,24 +113,14 @@ def spawn_ranks(fn, world: int, *args) -> None:
     import torch.multiprocessing as mp
 
     from rlsys import fork_server
-    from rlsys.telemetry.noise import worker_env
 
-    noise = worker_env()  # the server, when this call starts it, filters library noise before its imports
-    saved = {key: os.environ.get(key) for key in noise}
-    os.environ.update(noise)
-    try:
-        fork_server.context()  # ranks fork from the server that imported torch, megatron and transformers once
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        out, err = fork_server.ParentFd(1), fork_server.ParentFd(2)
+    fork_server.context()  # ranks fork from the server that imported torch, megatron and transformers once
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    out, err = fork_server.ParentFd(1), fork_server.ParentFd(2)
+    with fork_server.quiet_server():  # the server, where this call starts it, and the ranks filter library noise
         args = (dict(os.environ), out, err, os.getcwd(), fn, world, free_port(), *args)
         mp.start_processes(_forked_rank, args=args, nprocs=world, join=True, start_method="forkserver")
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _forked_rank(rank: int, env: dict, out: int, err: int, cwd: str, fn, world: int, port: int, *args) -> None:
