@@ -18,34 +18,38 @@ logger = logging.getLogger(__name__)
 class Checkpoints:
     """``checkpoints/`` holds the actor's, ``critic_checkpoints/`` the critic's, under the same step names."""
 
-    def __init__(self, cfg: TrainerConfig, actor, critic, turns, before_save=None):
-        """``before_save(step)``: what else a checkpoint keeps, written first (the batch generated ahead)."""
-        self.cfg, self.actor, self.critic, self.turns = cfg, actor, critic, turns
+    def __init__(self, cfg: TrainerConfig, actor, critic, before_save=None):
+        """``before_save(step)``: what else a checkpoint keeps, written first (the batch generated ahead).
+        Loading and saving need the roles' state on their devices: the caller's phase puts it there
+        (``rlsys.controller.colocation``)."""
+        self.cfg, self.actor, self.critic = cfg, actor, critic
         self.before_save = before_save
         self.actor_dir = os.path.join(cfg.output_dir, "checkpoints")
         self.critic_dir = os.path.join(cfg.output_dir, "critic_checkpoints")
 
-    def resume(self) -> dict | None:
-        """Load the latest checkpoint when ``trainer.resume`` finds one: ``{"step", "extra"}``, else None."""
-        ckpt = latest_checkpoint(self.actor_dir) if self.cfg.resume else None
-        if ckpt is None:
-            return None
+    def to_resume(self) -> str | None:
+        """The checkpoint ``trainer.resume`` finds (the latest), or None."""
+        return latest_checkpoint(self.actor_dir) if self.cfg.resume else None
+
+    def resume(self, ckpt: str) -> dict:
+        """Load checkpoint ``ckpt`` (actor, and critic if any): ``{"step", "extra"}``."""
         state = self.actor.load(ckpt, self.cfg.load_optimizer)
         if self.critic is not None:
             self.critic.load(os.path.join(self.critic_dir, os.path.basename(ckpt)), self.cfg.load_optimizer)
         return state
 
-    def after_step(self, step: int, last_step: int, extra: dict) -> None:
+    def due(self, step: int, last_step: int) -> bool:
+        """Whether step ``step`` saves: every ``save_every`` steps and the last."""
         every = self.cfg.save_every
-        if not ((every and step % every == 0) or step == last_step):
-            return
+        return bool(every and step % every == 0) or step == last_step
+
+    def save(self, step: int, last_step: int, extra: dict) -> None:
         try:
             if self.before_save is not None:
                 self.before_save(step)
-            with self.turns.on_device(self.actor, self.critic):
-                if self.critic is not None:  # first, so an actor checkpoint always has its critic
-                    self.critic.save(self.critic_dir, step, extra, self.cfg.keep_last)
-                self.actor.save(self.actor_dir, step, extra, self.cfg.keep_last)
+            if self.critic is not None:  # first, so an actor checkpoint always has its critic
+                self.critic.save(self.critic_dir, step, extra, self.cfg.keep_last)
+            self.actor.save(self.actor_dir, step, extra, self.cfg.keep_last)
         except OSError as e:  # a full disk or a quota; under Ray the rank's error is an OSError too
             latest = latest_checkpoint(self.actor_dir)
             what = f"saving step {step} failed ({e}); the latest complete checkpoint is {latest or 'none'}"
@@ -69,10 +73,13 @@ class Checkpoints:
 
 
 class NoCheckpoints:
-    def resume(self) -> None:
+    def to_resume(self) -> None:
         return None
 
-    def after_step(self, step: int, last_step: int, extra: dict) -> None:
+    def due(self, step: int, last_step: int) -> bool:
+        return False
+
+    def save(self, step: int, last_step: int, extra: dict) -> None:
         pass
 
     def export(self) -> None:

@@ -42,29 +42,43 @@ def train(cfg: RunConfig, use_ray: bool = True, mode: str = "full", replay_dir: 
 def evaluate_before(run: Run) -> None:
     """``trainer.eval_before_train``: the starting policy's eval, as step 0 (not again on resume)."""
     if run.cfg.trainer.eval_before_train and run.start == 0:
-        metrics = {"step": 0, **run.source.evaluate()}
+        with run.turns.phase("eval"):
+            metrics = {"step": 0, **run.source.evaluate()}
         run.logger.log(0, metrics)
         run.progress.evaluation(0, metrics)
 
 
 def step(run: Run, n: int, consume) -> dict:
-    """RL step ``n``; returns its metrics. ``consume`` the scored batch: ``learn`` (stages 4-7) or ``save`` it."""
-    t = Timer()
+    """RL step ``n``; returns its metrics. ``consume`` the scored batch: ``learn`` (stages 4-6) or ``save`` it.
+
+    Each stage runs in its phase (``rlsys.plan.phases.ORDER``): colocated, that phase says what is on
+    the devices, and ``rlsys plan`` prices the same order."""
+    t, turns = Timer(), run.turns
     with t("step"):
-        rolled = run.source.next_batch(n, t)  # 1. prompts -> 2. rollout (n samples each) -> 3. reward
-        run.turns.release_engines()  # colocated: the engines make room for training
-        learned = consume(run, n, rolled, t)
+        with turns.phase("rollout"):
+            rolled = run.source.next_batch(n, t)  # 1. prompts -> 2. rollout (n samples each) -> 3. reward
+        with turns.phase("training"):  # colocated: the engines paused and released, the actor on its devices
+            learned = consume(run, n, rolled, t)
+        run.kl.update(learned.get("actor/kl", 0.0), len(rolled.samples))
+        check_updates(run.bad_steps, run.cfg.trainer.max_bad_steps, n, learned)  # NaN gradients: stop after K
+        if run.checkpoints.due(n, run.last_step):
+            with turns.phase("save"):  # before the engines take memory back, the actor still on its devices
+                extra = {"prompts": run.prompts.state_dict(), "kl_coef": run.kl.beta}
+                run.checkpoints.save(n, run.last_step, extra)
+        # 7. weight sync: the engines serve the new policy (fully_async: every sync_every updates)
+        with turns.phase("sync"):  # from the actor's weights alone: its grads and optimizer state left first
+            if run.weights.due(n):
+                with run.source.around_sync(t), t("sync"):  # one_step_off: after the batch in flight
+                    learned.update(run.weights.after_update(n))
     metrics = step_metrics(n, rolled, t, learned)
-    run.kl.update(metrics.get("actor/kl", 0.0), len(rolled.samples))
     every = run.cfg.trainer.eval_every
     if every and n % every == 0:
-        metrics.update(run.source.evaluate())
+        with turns.phase("eval"):
+            metrics.update(run.source.evaluate())
     run.logger.log(n, metrics)
     run.progress.update(n, metrics)
-    check_updates(run.bad_steps, run.cfg.trainer.max_bad_steps, n, metrics)  # NaN gradients: skipped, stop after K
     if run.progress.should_sample(n):
         run.progress.samples(n, sample_rows(rolled, run.prompts.tokenizer, run.cfg.logging.num_samples))
-    run.checkpoints.after_step(n, run.last_step, {"prompts": run.prompts.state_dict(), "kl_coef": run.kl.beta})
     return metrics
 
 
@@ -75,7 +89,7 @@ def save(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
 
 
 def learn(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
-    """Stages 4-7 of step ``n`` on a scored batch; returns their metrics."""
+    """Stages 4-6 of step ``n`` on a scored batch, inside the training phase; returns their metrics."""
     algo, turns = run.cfg.algorithm, run.turns
     actor, ref, critic = run.roles["actor"], run.roles.get("ref"), run.roles.get("critic")
     seqs, prompt_lens, engine_logp = response_tensors(rolled.samples)
@@ -88,58 +102,51 @@ def learn(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
     lengths, mask = batch.response_lengths, batch.response_mask()
     # one on-policy update whose forward gives the old log-probs: no separate pass before it
     in_update = old_logprobs_in_update(algo, ref is not None, n)
-    with turns.on_device(actor):
-        # 4. log-probs of the old policy (and the reference), values
-        with t("logprob"):
-            if not in_update:
-                old = actor.compute_logprobs(batch, with_entropy=True)
-                batch.set("old_logp", old["logp"])
-                if algo.router_replay != "none":  # the update replays the routing these log-probs came from
-                    batch.set_routing(update_routing(batch.routing, old.get("routing")))
-            ref_logp = values = None
-            if ref is not None:
-                with turns.on_device(ref):
-                    batch.set("ref_logp", ref.compute_logprobs(batch)["logp"])
-                ref_logp = batch.padded("ref_logp")
-            if critic is not None:
-                with turns.on_device(critic):
-                    batch.set("values", critic.compute_values(batch)["values"])
-                values = batch.padded("values")
+    # 4. log-probs of the old policy (and the reference), values
+    with t("logprob"):
+        if not in_update:
+            old = actor.compute_logprobs(batch, with_entropy=True)
+            batch.set("old_logp", old["logp"])
+            if algo.router_replay != "none":  # the update replays the routing these log-probs came from
+                batch.set_routing(update_routing(batch.routing, old.get("routing")))
+        ref_logp = values = None
+        if ref is not None:
+            with turns.on_device(ref):
+                batch.set("ref_logp", ref.compute_logprobs(batch)["logp"])
+            ref_logp = batch.padded("ref_logp")
+        if critic is not None:
+            with turns.on_device(critic):
+                batch.set("values", critic.compute_values(batch)["values"])
+            values = batch.padded("values")
 
-        # 5. advantages (+ train/inference mismatch correction)
-        reward_kl = 0.0 if algo.kl.use_loss else run.kl.beta  # PPO-style: the KL penalty goes into the rewards
-        old_logp = None if in_update else batch.padded("old_logp")
-        adv, returns, metrics = compute_advantages(
-            algo.name, algo.advantage, rolled.scores, rolled.group_ids, mask, old_logp, ref_logp, values,
-            reward_kl_coef=reward_kl,
-        )  # fmt: skip
-        batch.set("advantages", unpad_rows(adv, lengths))
-        if returns is not None:
-            batch.set("returns", unpad_rows(returns, lengths))
-        m = algo.mismatch
-        if m.mode != "none":
-            rollout_logp = batch.padded("rollout_logp")
-            weights, keep, mismatch = mismatch_weights(old_logp, rollout_logp, mask, m.mode, m.cap, m.level, m.lower)
-            batch.set("rollout_weights", unpad_rows(weights, lengths))
-            batch.set("loss_mask", unpad_rows(keep * mask, lengths))
+    # 5. advantages (+ train/inference mismatch correction)
+    reward_kl = 0.0 if algo.kl.use_loss else run.kl.beta  # PPO-style: the KL penalty goes into the rewards
+    old_logp = None if in_update else batch.padded("old_logp")
+    adv, returns, metrics = compute_advantages(
+        algo.name, algo.advantage, rolled.scores, rolled.group_ids, mask, old_logp, ref_logp, values,
+        reward_kl_coef=reward_kl,
+    )  # fmt: skip
+    batch.set("advantages", unpad_rows(adv, lengths))
+    if returns is not None:
+        batch.set("returns", unpad_rows(returns, lengths))
+    m = algo.mismatch
+    if m.mode != "none":
+        rollout_logp = batch.padded("rollout_logp")
+        weights, keep, mismatch = mismatch_weights(old_logp, rollout_logp, mask, m.mode, m.cap, m.level, m.lower)
+        batch.set("rollout_weights", unpad_rows(weights, lengths))
+        batch.set("loss_mask", unpad_rows(keep * mask, lengths))
 
-        # 6. update the critic, then the actor (VAPO: the critic alone for its first critic_warmup_steps)
-        with t("update"):
-            if critic is not None:
-                with turns.on_device(critic):
-                    metrics.update(critic.update(batch, algo.schedule.mini_batches_per_step))
-            if n > algo.schedule.critic_warmup_steps:
-                metrics.update(actor.update(batch, algo.schedule.mini_batches_per_step))
-            if in_update:
-                old = actor.last_logprobs(batch)
-                batch.set("old_logp", old["logp"])
-                old_logp = batch.padded("old_logp")
-
-        # 7. weight sync: the engines serve the new policy (fully_async: every sync_every updates)
-        if run.weights.due(n):
-            with run.source.around_sync(t), t("sync"):  # one_step_off: after the batch in flight
-                metrics.update(run.weights.after_update(n))
-    turns.engine_cache_back()
+    # 6. update the critic, then the actor (VAPO: the critic alone for its first critic_warmup_steps)
+    with t("update"):
+        if critic is not None:
+            with turns.on_device(critic):
+                metrics.update(critic.update(batch, algo.schedule.mini_batches_per_step))
+        if n > algo.schedule.critic_warmup_steps:
+            metrics.update(actor.update(batch, algo.schedule.mini_batches_per_step))
+        if in_update:
+            old = actor.last_logprobs(batch)
+            batch.set("old_logp", old["logp"])
+            old_logp = batch.padded("old_logp")
 
     if m.mode == "none":
         mismatch = mismatch_metrics(old_logp, batch.padded("rollout_logp"), mask)

@@ -124,26 +124,29 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
         placement = Placement.create(cfg)
         closers.append((placement.close, placement.close))
 
-    engines, source = None, replay
-    if replay is None:
-        engines, source = _engine_source(cfg, mode, model_dir, placement, prompts, rewards, closers)
-    roles = _start_roles(cfg, mode, model_dir, use_ray, placement, closers)
-    actor, critic = roles.get("actor"), roles.get("critic")
+    engines, source, roles = None, replay, {}
+    offloaded = {role for role in enabled_roles(cfg) if mode != "rollout" and getattr(cfg, role).offload}
+    turns = Turns(offloaded)
+
+    def start_engines():
+        nonlocal engines, source
+        if replay is None:
+            engines, source = _engine_source(cfg, mode, model_dir, placement, prompts, rewards, closers)
+            turns.set_engines(engines, releases_engine_memory(cfg) and mode != "rollout")
+
+    # colocated: the engines give their memory back before any role is built (rlsys.plan.phases)
+    with turns.phase("start-up", start=start_engines):
+        roles = _start_roles(cfg, mode, model_dir, use_ray, placement, closers, turns.built)
+        actor, critic = roles.get("actor"), roles.get("critic")
+        keep = source.keep_pending if isinstance(source, (AheadRollout, StreamRollout)) else None
+        checkpoints = Checkpoints(cfg.trainer, actor, critic, keep) if actor is not None else NoCheckpoints()
+        state, ckpt = None, checkpoints.to_resume()
+        if ckpt is not None:
+            with turns.on_device(actor, critic):
+                state = checkpoints.resume(ckpt)
     syncing = actor is not None and engines is not None
-    offloaded = {role for role in roles if getattr(cfg, role).offload}
-    turns = Turns(roles, offloaded, engines, releases_engine_memory(cfg) and syncing)
-    keep = source.keep_pending if isinstance(source, (AheadRollout, StreamRollout)) else None
-    checkpoints = Checkpoints(cfg.trainer, actor, critic, turns, keep) if actor is not None else NoCheckpoints()
     kl = _kl_controller(cfg)
-    start, state = 0, checkpoints.resume()
-    if state is not None:
-        start = state["step"]
-        prompts.load_state_dict(state["extra"]["prompts"])
-        kl.beta = state["extra"].get("kl_coef", kl.beta)
-        if isinstance(source, AheadRollout):
-            source.resume(start + 1)
-        elif isinstance(source, StreamRollout):
-            source.resume(start)
+    start = _take_up(state, prompts, kl, source)
     t = cfg.trainer
     every = t.fully_async.sync_every if t.async_mode == "fully_async" else 1
     weights = EngineSync(actor, engines, turns, start + 1, every, t.steps, t.eval_every) if syncing else NoSync()
@@ -157,7 +160,8 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
             engines.api_key,
             sync_transports(cfg),
         )
-    weights.start()
+    with turns.phase("sync"):  # the engines start from the HF files (or lag a resumed checkpoint)
+        weights.start()
 
     last_step = min(cfg.trainer.steps, len(replay.files)) if replay is not None else cfg.trainer.steps
     logger = MetricsLogger(out_dir, cfg.logging, run_config=config_to_dict(cfg))
@@ -171,6 +175,20 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
         cfg, prompts, source, roles, turns, weights, checkpoints, kl, logger, progress, start, last_step,
         closers, moe_shape=(arch.num_layers, arch.moe_top_k) if arch else None,
     )  # fmt: skip
+
+
+def _take_up(state: dict | None, prompts, kl, source) -> int:
+    """A resumed checkpoint's prompt stream, KL coefficient and kept batches; the step it was saved after."""
+    if state is None:
+        return 0
+    start = state["step"]
+    prompts.load_state_dict(state["extra"]["prompts"])
+    kl.beta = state["extra"].get("kl_coef", kl.beta)
+    if isinstance(source, AheadRollout):
+        source.resume(start + 1)
+    elif isinstance(source, StreamRollout):
+        source.resume(start)
+    return start
 
 
 def _engine_source(cfg: RunConfig, mode: str, model_dir: str, placement, prompts, rewards, closers: list) -> tuple:
@@ -215,7 +233,9 @@ def _engine_source(cfg: RunConfig, mode: str, model_dir: str, placement, prompts
     return engines, source
 
 
-def _start_roles(cfg: RunConfig, mode: str, model_dir: str, use_ray: bool, placement, closers: list) -> dict:
+def _start_roles(cfg: RunConfig, mode: str, model_dir: str, use_ray: bool, placement, closers: list, built) -> dict:
+    """Each enabled role, one after the other; ``built(name, group)`` as each is up (``Turns.built``: an offload
+    role leaves its devices before the next one is built)."""
     if mode == "rollout":
         return {}
     s = cfg.algorithm.schedule
@@ -225,6 +245,7 @@ def _start_roles(cfg: RunConfig, mode: str, model_dir: str, use_ray: bool, place
         spec = role_spec(cfg, role, model_dir, total_steps)
         roles[role] = RoleGroup(spec, use_ray=use_ray, placement=placement)
         closers.append((roles[role].shutdown, roles[role].kill))
+        built(role, roles[role])
     return roles
 
 

@@ -27,9 +27,11 @@ class EngineSync:
         return step % self.every == 0 or step == self.last_step or bool(evaluates)
 
     def start(self) -> None:
-        """The engines start from the HF files (or lag a resumed checkpoint): give them the actor's weights,
-        and do so again for an engine the pool restarts."""
-        self._resync()
+        """The engines start from the HF files (or lag a resumed checkpoint): give them the actor's weights
+        (inside the run's first sync phase, which put the weights where they go), and do so again for an engine
+        the pool restarts."""
+        self.version = self.updated + 1
+        self.actor.sync_weights(self.version)
         self.engines.on_restart = self._resync
 
     def _resync(self, restarted_engine=None) -> None:
@@ -40,8 +42,7 @@ class EngineSync:
             self.actor.sync_weights(self.version)
 
     def after_update(self, step: int) -> dict:
-        """Stage 7: the engines serve the new policy for step ``step + 1``."""
-        self.turns.engine_weights_back()  # engines that released memory need room for their weights
+        """Stage 7, inside the sync phase: the engines serve the new policy for step ``step + 1``."""
         self.version = step + 1
         return sync_or_recover(self.actor, self.engines, self.version)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from rlsys.config import ROLES, RunConfig, response_tokens
 from rlsys.errors import ConfigError
+from rlsys.ipc_allocator import refuse_expandable_segments
 
 
 def total_devices(cfg: RunConfig) -> int:
@@ -67,6 +68,13 @@ def sync_transports(cfg: RunConfig) -> list[str]:
     ``broadcast`` (a weight-update group). The sender is actor rank 0, on device 0, so ``tensor`` reaches only
     engines on the first node. On CPU ``auto`` broadcasts: a gloo group moves the bytes once, where the inline
     payload is pickled, base64-encoded and parsed again (SmolLM2-135M fp32: 1.0 s against 25 s a sync)."""
+    transports = _transports(cfg)
+    if cfg.cluster.device == "cuda" and "tensor" in transports and (problem := refuse_expandable_segments()):
+        raise ConfigError("rollout.sync.transport", problem)
+    return transports
+
+
+def _transports(cfg: RunConfig) -> list[str]:
     r, per_node = cfg.rollout, cfg.cluster.devices_per_node
     if r.urls:  # attached engines: where they run is unknown, a group reaches them anywhere
         if r.sync.transport == "tensor":

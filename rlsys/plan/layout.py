@@ -96,7 +96,7 @@ class Plan:
     rollout_tp: int
     engines: tuple[EnginePlan, ...]  # empty when attached by URL
     rollout_urls: tuple[str, ...]
-    phases: tuple = ()  # rlsys.plan.memory.Phase per phase, when cluster.device_memory_gib is set
+    phases: tuple = ()  # rlsys.plan.memory.Phase per phase and kind of device
     sync_transports: tuple[str, ...] = ()  # per engine: "tensor" (colocated) or "broadcast"
 
     def role(self, name: str) -> RolePlan:

@@ -1,23 +1,30 @@
-"""Memory per device in each phase of a step, and whether a run fits its devices.
+"""Memory per device in each phase of a run, and whether a run fits its devices.
 
 ``rlsys.sizing`` estimates one rank of one role (weights, grads, optimizer state, activations). A device
-holds more than that over a step, and not all of it at once. Colocated, the engines and every role share
-the device and take turns (``rlsys.controller.colocation``), so the peak is the largest of three phases:
+holds more than that over a run, and not all of it at once. This walks the phases in the order the controller
+runs them (``rlsys.plan.phases.ORDER``: start-up, sync, eval, rollout, training, save), move by move,
+and keeps the fullest moment of each phase on each kind of device:
 
-- **rollout**: the engines generate, holding ``rollout.mem_fraction`` of the device (weights and KV
-  cache: SGLang claims that share at start), beside every role that stays resident (``offload: false``);
-- **training**: each role in turn (its estimate plus its logits), beside the resident others and what the
-  engines keep: their residue when they release memory (``rollout.release_memory``), all of
-  ``mem_fraction`` when they do not;
-- **sync**: the actor's weights (a sync onloads no optimizer state), rank 0's two bucket buffers, and
-  the engines' weights taken back plus one received bucket (on an engine's own device, and with TP parts, one
-  more for the tensors whose parts are still arriving); their KV cache comes back after.
+- colocated, one kind: every role and every engine on each device, taking turns;
+- disaggregated, the actor's devices (actor and reference), the critic's, and the engines'.
 
-Disaggregated, trainer devices see the training phase and engine devices rollout and sync. Every phase
-adds ``OVERHEAD_GIB`` (CUDA context, NCCL buffers; an engine alone on its device adds
-``ENGINE_RESIDUE_GIB``) and must fit in ``HEADROOM`` of the device; the engines' weights must also leave
-room for a KV cache inside ``mem_fraction``. Only checked when ``cluster.device_memory_gib`` says how large
-a device is (GPU configs do; CPU runs have no such limit).
+What a device holds at a moment: each role's parts on it (``params``, ``grads``, ``optimizer``: all of them for
+a role that stays resident, only what the order moved back for an ``offload`` role); each engine's memory
+(``rollout.mem_fraction`` of the device: weights plus KV cache, each part only while held; released memory is
+given back) plus its context, ``ENGINE_RESIDUE_GIB``; ``OVERHEAD_GIB`` on a device a trainer rank uses (CUDA
+context, NCCL buffers, allocator pools); and what the phase's work adds while it runs:
+
+- ``build`` (start-up): each role in turn with all its state (weights, fp32 grad buffer, optimizer state);
+  an ``offload`` role leaves before the next one is built. ``load``: actor and critic on the device together
+  to load a checkpoint. ``save``: the same, to write one;
+- ``compute`` (training): each role in turn on the device with its activations and logits;
+- ``send`` (sync): rank 0's two bucket buffers, one flattened copy per colocated consumer (engine x TP rank)
+  of the bucket in flight (``update_weights_from_tensor`` keeps them until every consumer answered), and on an
+  engine's device the received bucket (with TP parts, one more for tensors whose parts are still arriving).
+
+Every moment must fit in ``HEADROOM`` of the device, and the engines' weights must leave room for a KV cache
+inside ``mem_fraction``. Only checked when ``cluster.device_memory_gib`` says how large a device is (GPU configs
+do; CPU runs have no such limit, and their phases leave the KV cache out).
 """
 
 from __future__ import annotations
@@ -26,29 +33,37 @@ from dataclasses import dataclass, field
 
 from rlsys.config import RunConfig, releases_engine_memory, response_tokens
 from rlsys.errors import ConfigError
+from rlsys.plan.devices import sync_transports
+from rlsys.plan.phases import ORDER, Move, PhaseOrder
 from rlsys.sizing import count_params, padded_vocab
 
 GIB = 1024**3
-OVERHEAD_GIB = 6.0  # per device: CUDA context, NCCL buffers, allocator pools
-ENGINE_RESIDUE_GIB = 2.0  # what an engine that released its memory still holds (context, CUDA graphs)
+OVERHEAD_GIB = 6.0  # per trainer device: CUDA context, NCCL buffers, allocator pools
+ENGINE_RESIDUE_GIB = 2.0  # an engine's memory outside mem_fraction (context, allocator), released or not
 HEADROOM = 0.9  # fragmentation and temporary buffers: plan for 90% of the device
 LOGIT_BYTES = 10  # per [token, vocab / tp] entry: bf16 logits + fp32 scaled copy + fp32 exp
 ENGINE_WEIGHT_SHARE = 0.8  # engine weights may take at most this share of mem_fraction; the rest is KV cache
 _SERVED_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
+_PART_FIELDS = {"params": "weights", "grads": "grads", "optimizer": "optimizer"}
 
 
 @dataclass
 class Phase:
     name: str
-    parts: dict[str, float] = field(default_factory=dict)  # what -> bytes per device
+    parts: dict[str, float] = field(default_factory=dict)  # what -> bytes per device, at the phase's fullest
+    device: str = "device"  # which kind of device that was
 
     @property
     def total(self) -> float:
         return sum(self.parts.values())
 
+    def amount(self) -> str:
+        unit, scale = ("GiB", GIB) if self.total >= GIB / 10 else ("MiB", 2**20)  # tiny CPU models
+        shown = " + ".join(f"{k} {v / scale:.1f}" for k, v in self.parts.items() if v)
+        return f"{self.total / scale:.1f} {unit} on each {self.device} ({shown})"
+
     def describe(self) -> str:
-        shown = " + ".join(f"{k} {v / GIB:.1f}" for k, v in self.parts.items() if v)
-        return f"{self.name} {self.total / GIB:.1f} GiB ({shown})"
+        return f"{self.name} {self.amount()}"
 
 
 def engine_weight_bytes(cfg: RunConfig, arch) -> float:
@@ -69,77 +84,173 @@ def _logits(cfg: RunConfig, role_plan, arch) -> float:
     return tokens // p.cp * (vocab // p.tp) * LOGIT_BYTES
 
 
-def phases(cfg: RunConfig, plan, arch) -> list[Phase]:
-    """The memory of the fullest device in each phase (see the module docstring)."""
-    device = (cfg.cluster.device_memory_gib or 0.0) * GIB
-    engines = len(plan.engines) > 0
-    engine_all = cfg.rollout.mem_fraction * device if engines else 0.0
-    weights = engine_weight_bytes(cfg, arch) if engines else 0.0
-    bucket = cfg.rollout.sync.bucket_mb * 2**20
-    roles = {r.name: r for r in plan.roles}
-    offloaded = {n for n in roles if getattr(cfg, n).offload}
-    overhead = OVERHEAD_GIB * GIB
-    out = []
-    if cfg.cluster.colocate:
-        resident = sum(roles[n].memory.total for n in roles if n not in offloaded)
-        out.append(Phase("rollout", {"engine": engine_all, "resident roles": resident, "overhead": overhead}))
-        keep = ENGINE_RESIDUE_GIB * GIB if releases_engine_memory(cfg) else engine_all
-        worst = Phase("training")
-        for name, rp in roles.items():
-            others = sum(roles[n].memory.total for n in roles if n != name and n not in offloaded)
-            phase = Phase(
-                "training",
-                {
-                    name: rp.memory.total + _logits(cfg, rp, arch),
-                    "resident roles": others,
-                    "engine": keep if engines else 0.0,
-                    "overhead": overhead,
-                },
-            )
-            worst = max(worst, phase, key=lambda p: p.total)
-        out.append(worst)
-        actor = roles["actor"].memory.weights
-        others = sum(roles[n].memory.total for n in roles if n != "actor" and n not in offloaded)
-        engine_side = weights + bucket if releases_engine_memory(cfg) else engine_all + bucket
-        out.append(
-            Phase(
-                "sync",
-                {
-                    "actor weights": actor if "actor" in offloaded else roles["actor"].memory.total,
-                    "resident roles": others,
-                    "send buckets": 2 * bucket,
-                    "engine": engine_side if engines else 0.0,
-                    "overhead": overhead,
-                },
-            )
-        )
-        return out
-    worst = Phase("training")
-    for name, rp in roles.items():
-        shared = [n for n in roles if n != name and (n == "critic") == (name == "critic") and n not in offloaded]
-        others = sum(roles[n].memory.total for n in shared)
-        phase = Phase("training", {name: rp.memory.total + _logits(cfg, rp, arch), "resident roles": others})
-        phase.parts["send buckets"] = 2 * bucket if name == "actor" else 0.0
-        phase.parts["overhead"] = overhead
-        worst = max(worst, phase, key=lambda p: p.total)
-    out.append(worst)
-    if engines:  # an engine's own device: mem_fraction is a share of it, the process adds its context
-        context = ENGINE_RESIDUE_GIB * GIB
-        out.append(Phase("rollout", {"engine": engine_all, "engine context": context}))
-        # TP parts (rlsys.sync.parts): SGLang's side of rlsys's loader holds tensors whose last part has not come
-        # yet, about one bucket's worth (the trainer alternates its TP ranks' buckets)
-        parts = bucket if cfg.rollout.engine == "sglang" and cfg.rollout.sync.shards != "gather" else 0.0
-        sync = {"engine": engine_all, "receive bucket": bucket, "engine context": context}
-        split = cfg.actor.parallel.tp > 1 or (cfg.actor.parallel.etp or 1) > 1
-        out.append(Phase("sync", {**sync, "TP parts": parts if split else 0.0}))
-    return out
+@dataclass
+class _Device:
+    """One kind of device and what is on it now."""
+
+    label: str
+    roles: list[str]  # the roles with ranks on it
+    engines: bool  # whether engines run on it
+    trainer: bool  # whether a trainer rank uses it (its CUDA context and NCCL buffers)
+    peaks: dict[str, Phase] = field(default_factory=dict)
 
 
-def check_fit(cfg: RunConfig, plan, arch) -> list[Phase]:
-    """Raise ``ConfigError`` naming the phase and the numbers when a device would overflow; return the phases."""
-    if not cfg.cluster.device_memory_gib:
-        return []
+class _Walk:
+    """``ORDER`` played move by move on each kind of device (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, plan, arch):
+        self.cfg, self.arch = cfg, arch
+        self.roles = {r.name: r for r in plan.roles}
+        self.offloaded = {n for n in self.roles if getattr(cfg, n).offload}
+        self.resident = {n: {"params", "grads", "optimizer"} if n not in self.offloaded else set() for n in self.roles}
+        self.built: set[str] = set()
+        self.has_engines = len(plan.engines) > 0
+        device = (cfg.cluster.device_memory_gib or 0.0) * GIB
+        self.engine_all = cfg.rollout.mem_fraction * device if self.has_engines else 0.0
+        self.engine_weights = engine_weight_bytes(cfg, arch) if self.has_engines else 0.0
+        self.engines_held: set[str] = set()  # nothing before they start
+        self.engines_started = False
+        self.releases = releases_engine_memory(cfg) and self.has_engines and "actor" in self.roles
+        model = engine_weight_bytes(cfg, arch) * cfg.rollout.tp  # a bucket is never larger than the model
+        self.bucket = min(cfg.rollout.sync.bucket_mb * 2**20, model)
+        gpu = cfg.cluster.device == "cuda"  # CUDA contexts and NCCL buffers; a CPU process has neither
+        self.overhead, self.residue = (OVERHEAD_GIB * GIB, ENGINE_RESIDUE_GIB * GIB) if gpu else (0.0, 0.0)
+        self.consumers = sum(cfg.rollout.tp for t in sync_transports(cfg) if t == "tensor") if self.has_engines else 0
+        if cfg.cluster.colocate:
+            self.devices = [_Device("device", list(self.roles), self.has_engines, True)]
+        else:
+            actor_side = [n for n in self.roles if n != "critic"]
+            self.devices = [_Device("actor device", actor_side, False, True)]
+            if "critic" in self.roles:
+                self.devices.append(_Device("critic device", ["critic"], False, True))
+            if self.has_engines:
+                self.devices.append(_Device("engine device", [], True, False))
+
+    # -- what a device holds ---------------------------------------------------------------------
+
+    def _role_bytes(self, name: str, parts) -> float:
+        m = self.roles[name].memory
+        return float(sum(getattr(m, _PART_FIELDS[p]) for p in parts))
+
+    def _engine_bytes(self) -> float:
+        if not self.engines_started:
+            return 0.0
+        held = self.engine_weights if "weights" in self.engines_held else 0.0
+        kv = max(self.engine_all - self.engine_weights, 0.0)  # 0 where the device's size is unknown (CPU)
+        held += kv if "kv_cache" in self.engines_held else 0.0
+        return self.residue + held
+
+    def _note(self, phase: str, extra: dict[str, dict[str, float]] | None = None) -> None:
+        """Record this moment on every device; ``extra``: a device's label (or "engine": every device with
+        engines) -> transient parts."""
+        extra = extra or {}
+        for d in self.devices:
+            parts = {n: self._role_bytes(n, self.resident[n]) for n in d.roles if n in self.built}
+            if d.engines:
+                parts["engine"] = self._engine_bytes()
+            if d.trainer:
+                parts["overhead"] = self.overhead
+            for key in (d.label, "engine" if d.engines else None):
+                for what, nbytes in extra.get(key, {}).items():
+                    parts[what] = parts.get(what, 0.0) + nbytes
+            seen = d.peaks.get(phase)
+            if seen is None or sum(parts.values()) > seen.total:
+                d.peaks[phase] = Phase(phase, {k: v for k, v in parts.items() if v}, d.label)
+
+    # -- moves -----------------------------------------------------------------------------------
+
+    def _names(self, who: str) -> list[str]:
+        if who == "roles":
+            return list(self.roles)
+        if who == "trained":
+            return [n for n in ("actor", "critic") if n in self.roles]
+        return [who] if who in self.roles else []
+
+    def move(self, phase: str, m: Move) -> None:
+        if m.change in ("pause", "continue"):  # no memory changes hands
+            return
+        if m.who == "engines":
+            self._engine_move(m)
+        elif m.change in ("onload", "offload"):
+            for n in self._names(m.who):
+                if n in self.offloaded:
+                    change = set.update if m.change == "onload" else set.difference_update
+                    change(self.resident[n], m.parts)
+        else:
+            self._work(phase, m)
+            return
+        self._note(phase)
+
+    def _engine_move(self, m: Move) -> None:
+        if not self.has_engines:
+            return
+        if m.change == "start":
+            self.engines_started, self.engines_held = True, {"weights", "kv_cache", "cuda_graph"}
+        elif m.change == "release" and self.releases:
+            self.engines_held -= set(m.parts)
+        elif m.change == "resume" and self.releases:
+            self.engines_held |= set(m.parts)
+
+    def _work(self, phase: str, m: Move) -> None:
+        names = self._names(m.who)
+        if m.change == "build":  # one role at a time, all its state; an offload role then leaves
+            for n in names:
+                before = set(self.resident[n])
+                self.built.add(n)
+                self.resident[n] = {"params", "grads", "optimizer"}
+                self._note(phase)
+                self.resident[n] = before if n in self.offloaded else self.resident[n]
+        elif m.change in ("load", "save"):  # the trained roles on the device together
+            saved = {n: set(self.resident[n]) for n in names}
+            for n in names:
+                self.resident[n] = {"params", "grads", "optimizer"}
+            self._note(phase)
+            self.resident.update(saved)
+        elif m.change == "compute":  # each role's turn: on the device with its activations and logits
+            for n in names:
+                saved = set(self.resident[n])
+                self.resident[n] = {"params", "grads", "optimizer"}
+                rp = self.roles[n]
+                transient = {f"{n} activations+logits": rp.memory.activations + _logits(self.cfg, rp, self.arch)}
+                self._note(phase, {d.label: transient for d in self.devices if n in d.roles})
+                self.resident[n] = saved
+        elif m.change == "send" and self.has_engines and "actor" in self.roles:
+            sender = {"send buckets": 2 * self.bucket, "IPC copies": self.consumers * self.bucket}
+            # a broadcast lands in a bucket the engine allocates; update_weights_from_tensor reads the sender's
+            received = {"receive bucket": self.bucket + self._parts_bucket() if not self.consumers else 0.0}
+            if self.cfg.cluster.colocate:
+                self._note(phase, {"device": {**sender, **received}})
+            else:
+                self._note(phase, {"actor device": sender, "engine": received})
+        else:  # generate: what the engines hold is all there is
+            self._note(phase)
+
+    def _parts_bucket(self) -> float:
+        # TP parts (rlsys.sync.parts): SGLang's side of rlsys's loader holds the tensors whose last part has not
+        # come yet, about one bucket's worth (the trainer alternates its TP ranks' buckets)
+        c = self.cfg
+        split = c.actor.parallel.tp > 1 or (c.actor.parallel.etp or 1) > 1
+        parts = c.rollout.engine == "sglang" and c.rollout.sync.shards != "gather" and not c.cluster.colocate
+        return float(self.bucket) if split and parts else 0.0
+
+
+def phases(cfg: RunConfig, plan, arch, order: tuple[PhaseOrder, ...] = ORDER) -> list[Phase]:
+    """The fullest moment of each phase of ``order`` (the controller's) on each kind of device, by device kind
+    and then in the order's order."""
+    walk = _Walk(cfg, plan, arch)
+    for p in order:
+        for m in (*p.enter, *p.work, *p.leave):
+            walk.move(p.name, m)
+    return [d.peaks[p.name] for d in walk.devices for p in order if p.name in d.peaks]
+
+
+def check_fit(cfg: RunConfig, plan, arch, order: tuple[PhaseOrder, ...] = ORDER) -> list[Phase]:
+    """Raise ``ConfigError`` naming the phase, the device and the numbers when a device would overflow (where
+    ``cluster.device_memory_gib`` gives its size); return the phases."""
+    found = phases(cfg, plan, arch, order)
     device = cfg.cluster.device_memory_gib
+    if not device:
+        return found
     if plan.engines:
         weights = engine_weight_bytes(cfg, arch) / GIB
         budget = ENGINE_WEIGHT_SHARE * cfg.rollout.mem_fraction * device
@@ -150,13 +261,12 @@ def check_fit(cfg: RunConfig, plan, arch) -> list[Phase]:
                 f"device, more than {ENGINE_WEIGHT_SHARE:.0%} of mem_fraction x {device:g} GiB = {budget:.1f} GiB; "
                 "raise rollout.mem_fraction or rollout.tp, or serve FP8 (rollout.weight_dtype: fp8)",
             )
-    found = phases(cfg, plan, arch)
     for phase in found:
         if phase.total / GIB > HEADROOM * device:
             raise ConfigError(
                 "cluster.device_memory_gib",
-                f"the {phase.name} phase needs {phase.describe()} per device, more than {HEADROOM:.0%} of "
-                f"{device:g} GiB: offload roles ({'/'.join(r.name for r in plan.roles)}.offload), release engine "
-                "memory (rollout.release_memory), lower rollout.mem_fraction or spread the model over more devices",
+                f"the {phase.name} phase needs {phase.amount()}, more than {HEADROOM:.0%} of {device:g} GiB: "
+                f"offload roles ({'/'.join(r.name for r in plan.roles)}.offload), release engine memory "
+                "(rollout.release_memory), lower rollout.mem_fraction or spread the model over more devices",
             )
     return found

@@ -70,9 +70,8 @@ def _memory_lines(plan: Plan) -> list[str]:
 def _phase_lines(plan: Plan) -> list[str]:
     if not plan.phases:
         return []
-    return ["", "memory per device by phase, GiB (the fullest device; rlsys.plan.memory):"] + [
-        f"  {p.describe()}" for p in plan.phases
-    ]
+    head = "memory per device by phase (each phase's fullest moment, in the run's order; rlsys.plan.memory):"
+    return ["", head] + [f"  {p.describe()}" for p in plan.phases]
 
 
 def render_plan(plan: Plan) -> str:

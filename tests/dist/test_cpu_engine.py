@@ -10,6 +10,7 @@ import contextlib
 import os
 import pickle
 import threading
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -518,6 +519,31 @@ def test_pause_abort_and_retract_across_a_weight_update(qwen2, ckpts):
             logits = hf_model(ckpts["qwen2", 1])(input_ids=torch.tensor([prompt + ids])).logits[0].float()
         ref = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)[torch.arange(len(ids)), torch.tensor(ids)]
         torch.testing.assert_close(torch.tensor(got[HOLD:]), ref[HOLD:], atol=1e-4, rtol=0)
+
+
+def test_turns_end_what_still_runs_before_releasing_the_engine(qwen2, ckpts):
+    """Colocated, the engines release their memory after each rollout; SGLang asserts that a released engine
+    is idle, and a request can still run then (an agent past its timeout). ``Turns`` pauses in abort mode
+    first: the held request ends (finish_reason abort) and the release succeeds."""
+    from rlsys.controller.colocation import Turns
+    from rlsys.rollout.client import EngineClient
+
+    reset(qwen2, ckpts["qwen2", 0])
+    client = EngineClient(qwen2)
+    turns = Turns(set(), types.SimpleNamespace(clients=[client]), release_engines=True)
+    turns.current = "rollout"  # a rollout just ended
+    results = {}
+    t = start_held(qwen2, {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": LENGTH}}, results, "out")
+    try:
+        with turns.phase("training"):  # pause, then release weights, KV cache and CUDA graphs
+            join(t)
+            assert results["out"]["meta_info"]["finish_reason"]["type"] == "abort"
+            assert requests.get(qwen2 + "/health_generate", timeout=60).status_code == 503  # weights released
+    finally:
+        client.resume_memory_occupation(["weights", "kv_cache", "cuda_graph"])
+        client.continue_generation()
+        client.close()
+        reset(qwen2, ckpts["qwen2", 0])  # released without a backup: the weights are gone
 
 
 def test_in_place_pause_continues_each_request_on_the_new_weights_with_its_tokens_versions(qwen2, ckpts):

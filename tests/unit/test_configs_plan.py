@@ -18,7 +18,8 @@ import pytest
 from rlsys.cli import main
 from rlsys.config import RunConfig, load_config
 from rlsys.errors import ConfigError
-from rlsys.plan import Plan, build_plan, model_arch, sequence_length
+from rlsys.plan import Plan, build_plan, check_fit, model_arch, sequence_length
+from rlsys.plan.phases import ORDER, ROLE_ALL, Move
 from rlsys.sizing import count_params, padded_vocab
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
@@ -236,10 +237,33 @@ def test_plan_refuses_a_phase_that_overflows_and_names_it(capsys):
     args = ["plan", "-q", _path("qwen3-8b-dapo.yaml"), "actor.offload=false", "rollout.release_memory=false"]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert "the rollout phase needs rollout 98.9 GiB (engine 55.7 + resident roles" in err and "79.6 GiB" in err
+    assert "the start-up phase needs 98.1 GiB on each device (actor 34.3 + engine 57.7 + overhead 6.0)" in err
+    assert "79.6 GiB" in err
     # an engine whose weights leave no room for a KV cache
     assert main(["plan", "-q", _path("qwen3-8b-dapo.yaml"), "rollout.mem_fraction=0.05"]) == 2
     assert "leaves no KV cache" in capsys.readouterr().err
+
+
+def _order_before_the_reorder():
+    """The colocated order before engines were released at start and checkpoints saved in the released window:
+    roles built beside the engines' whole mem_fraction, the save after the engines took their KV cache back."""
+    start_up, sync, eval_, rollout, training, save = ORDER
+    start_up = dataclasses.replace(start_up, enter=start_up.enter[:1])  # the engines start, nothing released
+    save = dataclasses.replace(save, enter=(Move("trained", "onload", ROLE_ALL),), leave=())
+    return (start_up, sync, eval_, rollout, training, sync, save)
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b-dapo.yaml", "qwen3-30b-a3b-grpo.yaml"])
+def test_the_shipped_colocated_configs_fit_every_phase_only_in_the_new_order(name):
+    cfg = load_config(_path(name))
+    plan, arch = _plan(cfg), model_arch(cfg.model)
+    fits = check_fit(cfg, plan, arch)  # what build_plan (rlsys plan, rlsys train) walks: ORDER
+    assert [p.name for p in fits] == ["start-up", "sync", "eval", "rollout", "training", "save"]
+    with pytest.raises(ConfigError, match="the start-up phase needs"):
+        check_fit(cfg, plan, arch, _order_before_the_reorder())
+    old = _order_before_the_reorder()
+    with pytest.raises(ConfigError, match="the save phase needs"):
+        check_fit(cfg, plan, arch, (ORDER[0], *old[1:]))  # released at start, but saved beside the KV cache
 
 
 def test_tiny_cpu_config_is_the_small_demo():
@@ -263,3 +287,19 @@ def test_realistic_configs_name_the_model_inline_and_say_how_to_train_it():
         cfg = load_config(_path(name))
         assert cfg.model.hf_config is not None and cfg.model.path is None
         assert "model.path=" in _header(name) and "model.hf_config=null" in _header(name)
+
+
+def test_colocated_cuda_ipc_is_refused_under_expandable_segments(monkeypatch, capsys):
+    """Expandable segments are shared through pidfd_getfd, which containers usually refuse: the colocated
+    ``tensor`` transport would fail inside SGLang at the first bucket; the plan says so first."""
+    config = _path("qwen2.5-0.5b-gsm8k-grpo.yaml")  # colocated on CUDA: every engine by tensor
+    for value in ("expandable_segments:False", "max_split_size_mb:512", ""):
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", value)
+        assert main(["plan", "-q", config]) == 0, value
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:True")
+    assert main(["plan", "-q", config]) == 2
+    assert "PYTORCH_CUDA_ALLOC_CONF sets expandable_segments:True" in capsys.readouterr().err
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")  # torch 2.9+'s name
+    assert main(["plan", "-q", config]) == 2
+    assert main(["plan", "-q", _path("llama3_8b_ppo.yaml")]) == 0  # disaggregated: a broadcast group, no IPC

@@ -97,7 +97,9 @@ def _run(tmp_path, syncing=True, overrides=()):
     prompts = PromptSource(cfg.data, cfg.model, seed=cfg.trainer.seed)
     pool, actor = FakePool(prompts), FakeGroup()
     roles = {"actor": actor}
-    turns = Turns(roles, set(), pool, release_engines=False)
+    turns = Turns(set(), pool, release_engines=False)
+    turns.built("actor", actor)
+    turns.current = "sync"  # the run was built: its start-up and first sync are behind it
     rewards = RewardManager(cfg.reward)
     source = EngineRollout(pool, prompts, rewards, cfg.rollout.sampling, cfg.algorithm.filters, cfg.trainer.seed)
     weights = EngineSync(actor, pool, turns, version=1) if syncing else NoSync()
