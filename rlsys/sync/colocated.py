@@ -5,10 +5,20 @@ SGLang's scheduler cannot fetch a file descriptor from the sender (``file_descri
 server down), and ``file_system`` sharing starts a ``torch_shm_manager`` daemon that outlives the sender,
 holding its inherited descriptors (a spawned trainer rank then never reads as exited).
 
-When trainer and engine share GPUs, each SGLang TP rank receives a handle to a flattened
-bucket living on *its own* GPU (no copy through the network): the payload is a list with one
-base64 string per TP rank, each a pickled ``{"flattened_tensor": uint8 tensor, "metadata":
-[FlattenedTensorMetadata, ...]}`` as SGLang's ``FlattenedTensorBucket`` expects.
+When trainer and engine share GPUs, each SGLang TP rank receives a handle to a flattened bucket (no
+copy through the network): the payload is a list with one base64 string per TP rank, each a pickled
+``{"flattened_tensor": uint8 tensor, "metadata": [FlattenedTensorMetadata, ...]}`` as SGLang's
+``FlattenedTensorBucket`` expects.
+
+Every consumer (engine x TP rank) gets a flattened copy of its own (``colocated_sends``). PyTorch's CUDA IPC
+keeps the sender's block alive through one reference count per shared storage, which each consumer lowers
+when it lets go of its copy (``torch/csrc/CudaIPCTypes.cpp``); one storage read by several consumers is freed
+after the *first* of them let go and can be handed to the next bucket while the others still copy from it. So
+each copy is its own storage, and all of them stay referenced until every consumer answered (SGLang answers
+before its copies synchronize; its side of the share keeps the block until then), then
+``torch.cuda.ipc_collect()`` frees what the consumers released. The copies live on the sender's GPU (rank 0
+holds the buckets: the other writers send theirs to it), one bucket per consumer at a time, which
+``rlsys plan`` prices in the sync phase.
 
 Two details make the pickle acceptable to SGLang without importing it here:
 
@@ -29,6 +39,9 @@ import io
 import pickle
 import sys
 import types
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 
@@ -94,16 +107,48 @@ class _UUIDPickler(ForkingPickler):
         return NotImplemented
 
 
-def serialize_flattened_bucket(bucket: Bucket) -> str:
+def serialize_flattened_bucket(bucket: Bucket, flat: torch.Tensor | None = None) -> str:
     """One TP rank's payload for ``update_weights_from_tensor(load_format="flattened_bucket")``.
 
-    The flattened tensor must stay alive (and unmodified) until the engine has answered: SGLang
-    enqueues copies from it without synchronizing.
+    ``flat``: the bucket's bytes (``bucket.flattened()`` if not given). It must stay referenced and unmodified
+    until the engine has answered (SGLang enqueues copies from it without synchronizing), and on GPU it must
+    be read by this one consumer only (see the module docstring).
     """
     with _metadata_importable() as cls:
         metadata = [cls(**vars(m)) for m in bucket_metadata(bucket)]
-        flat = bucket.flattened()
+        flat = bucket.flattened() if flat is None else flat
         buf = io.BytesIO()
         pickler = _UUIDPickler(buf) if flat.is_cuda else pickle.Pickler(buf)
         pickler.dump({"flattened_tensor": flat, "metadata": metadata})
     return base64.b64encode(buf.getvalue()).decode()
+
+
+def _fresh_flat(bucket: Bucket) -> torch.Tensor:
+    """A new storage holding the bucket's bytes (never a buffer another consumer or the next bucket reuses)."""
+    return torch.cat([t.reshape(-1).view(torch.uint8) for t in bucket.tensors])
+
+
+@contextlib.contextmanager
+def colocated_sends(
+    calls: ThreadPoolExecutor, engines: list, bucket: Bucket, send, timeout_s: float
+) -> Iterator[list[Future]]:
+    """Send ``bucket`` to every colocated engine (``engines``: ``(engine, tp)`` pairs): ``send(engine,
+    payloads)`` with one payload per TP rank, each serialized from a flattened copy of its own, in ``calls``'
+    threads. Yields the replies' futures; on leaving, waits for every one of them (an error in one must not free
+    a copy another engine still reads) before dropping the copies and collecting the released IPC blocks."""
+    flats: list[torch.Tensor] = []
+    replies = []
+    try:
+        for engine, tp in engines:
+            payloads = []
+            for _ in range(tp):
+                flats.append(_fresh_flat(bucket))
+                payloads.append(serialize_flattened_bucket(bucket, flats[-1]))
+            replies.append(calls.submit(send, engine, payloads))
+        yield replies
+    finally:
+        wait_futures(replies, timeout=timeout_s)
+        cuda = any(f.is_cuda for f in flats)
+        flats.clear()
+        if cuda:
+            torch.cuda.ipc_collect()

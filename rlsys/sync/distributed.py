@@ -80,7 +80,8 @@ its sending rank is rank 0, engine ``i``'s TP rank ``t`` is ``1 + sum(tp of broa
 Transports, one per engine (``transports``; ``rlsys.plan.sync_transports`` picks them): ``broadcast`` joins the
 group above; ``tensor`` (colocated: the engine shares rank 0's node; NCCL refuses a group with two ranks on
 one GPU) receives each bucket as SGLang's ``FlattenedTensorBucket`` payload of ``update_weights_from_tensor``,
-the same one for each of its TP ranks, flattened into a fresh tensor (SGLang reads it after the call returns):
+one for each of its TP ranks, each flattened into a fresh tensor of its own (SGLang reads it after the call
+returns, and a CUDA IPC share must have one reader: ``rlsys.sync.colocated``):
 a CUDA IPC handle on GPU, the bytes inline on CPU (``rlsys.sync.colocated`` says why not shared memory).
 """
 
@@ -99,12 +100,13 @@ import torch.distributed as dist
 from rlsys.architectures.fp8 import quantize_named_tensors
 from rlsys.errors import ConfigError
 from rlsys.host_threads import single_threaded
+from rlsys.ipc_allocator import refuse_expandable_segments
 from rlsys.local_ranks import node_address
 from rlsys.megatron.export import is_dense_writer, is_expert_writer, iter_hf_tensors
 from rlsys.rollout.protocol import PAUSE_MODES
 from rlsys.sync import buckets as bk
 from rlsys.sync.buckets import Bucket, Bucketer, Handoff, send_bucket, send_end
-from rlsys.sync.colocated import serialize_flattened_bucket
+from rlsys.sync.colocated import colocated_sends
 from rlsys.sync.delta import DeltaEncoder
 from rlsys.sync.engine_calls import announce_bucket, first_error
 from rlsys.sync.groups import BroadcastGroups
@@ -171,6 +173,8 @@ class DistributedWeightSync(BroadcastGroups, EngineSessions, WriterTurns):
         self.broadcast_engines = [e for e, t in zip(engines, self.transports) if t == "broadcast"]
         self.broadcast_tp = [tp for tp, t in zip(engine_tp, self.transports) if t == "broadcast"]
         self.tensor_engines = [(e, tp) for e, tp, t in zip(engines, engine_tp, self.transports) if t == "tensor"]
+        if self.tensor_engines and topo.device.type == "cuda" and (problem := refuse_expandable_segments()):
+            raise ConfigError("rollout.sync.transport", problem)  # this rank's allocator, not the controller's
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.load_format, self.backend, self.timeout_s = load_format, backend, timeout_s
         self.pause_mode = pause_mode  # in_place: requests in flight go on with the new weights (partial rollouts)
@@ -515,30 +519,28 @@ class DistributedWeightSync(BroadcastGroups, EngineSessions, WriterTurns):
 
     def _broadcast_bucket(self, bucket: Bucket, src: int = 0) -> None:
         """``src``: the writer whose group carries the bytes; another writer's (direct) is only announced here,
-        that writer broadcasts it (``_cast_own``)."""
+        that writer broadcasts it (``_cast_own``). Colocated engines get the bucket through CUDA IPC handles, one
+        flattened copy per TP rank (``rlsys.sync.colocated.colocated_sends``)."""
         fmt = "flattened_bucket" if bk.sends_flat(self.load_format, bucket) else None
-        replies = []
-        if self.tensor_engines:  # one payload (one flattened copy) for every colocated engine
-            payload = serialize_flattened_bucket(Bucket(bucket.names, bucket.tensors, bucket.nbytes))
-            replies = [self._calls.submit(self._send_tensors, e, tp, payload) for e, tp in self.tensor_engines]
-        if not self.broadcast_engines:
+        whole = Bucket(bucket.names, bucket.tensors, bucket.nbytes)
+        with colocated_sends(self._calls, self.tensor_engines, whole, self._send_tensors, self.timeout_s) as replies:
+            if not self.broadcast_engines:
+                first_error(replies, self.timeout_s)
+                return
+            group_name = self.group_names[self.writers.index(src)] if src else self.active_group_name
+            replies += announce_bucket(
+                self._calls, self.broadcast_engines, bucket, group_name, self.version, fmt, self.timeout_s
+            )
+            sends = [] if src else self._cast(bucket)
+            # An engine answers once it has received the bucket, or at once with its error: waiting on the
+            # replies first turns an error answer into an error now, not a broadcast that waits out its timeout.
             first_error(replies, self.timeout_s)
-            return
-        group_name = self.group_names[self.writers.index(src)] if src else self.active_group_name
-        replies += announce_bucket(
-            self._calls, self.broadcast_engines, bucket, group_name, self.version, fmt, self.timeout_s
-        )
-        sends = [] if src else self._cast(bucket)
-        # An engine answers once it has received the bucket, or at once with its error: waiting on the
-        # replies first turns an error answer into an error now, not a broadcast that waits out its timeout.
-        first_error(replies, self.timeout_s)
-        self._wait(sends)
+            self._wait(sends)
 
-    def _send_tensors(self, engine, tp: int, payload: str):
-        """One bucket into a colocated engine: the same flattened-bucket payload for each of its TP ranks (its
-        tensor is a fresh copy, never a reused buffer: SGLang reads it after the call returns on GPU)."""
+    def _send_tensors(self, engine, payloads: list[str]):
+        """One bucket into a colocated engine: its TP ranks' flattened-bucket payloads, one each."""
         return engine.update_weights_from_tensor(
-            [payload] * tp,
+            payloads,
             load_format="flattened_bucket",
             flush_cache=False,
             weight_version=str(self.version),

@@ -92,7 +92,7 @@ def send_as_the_sync(app: web.Application, payload: str, version: str = "1"):
             client = EngineClient(str(test_server.make_url("")))
             try:
                 return await asyncio.get_running_loop().run_in_executor(
-                    None, DistributedWeightSync._send_tensors, sync, client, 1, payload
+                    None, DistributedWeightSync._send_tensors, sync, client, [payload]
                 )
             except EngineError as e:
                 return e
