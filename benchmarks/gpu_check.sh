@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# Actor-update throughput (tokens/s) and MFU of a ~1B Qwen2-shaped model, bf16, on one GPU:
-# benchmarks/gpu_train.py, 2 warm-up + 20 timed PolicyWorker.update steps on random packed data.
+# The GPU checks CPU tests cannot make, then the training benchmark, on one GPU:
+#   1. benchmarks/gpu_sync_check.py: CUDA IPC of a flattened bucket, then 4 receivers of one bucket under
+#      allocation pressure (one shared payload: the defect shown; one payload per consumer: every sha256 equal),
+#      then the same once more under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (what pidfd_getfd does
+#      in this container; recorded, not required), then NCCL (two ranks on one GPU must be refused);
+#   2. benchmarks/gpu_offload_check.py: offload/onload of a bf16 actor with the distributed optimizer
+#      (memory drops, state bit-exact, the next update equal to one that never offloaded);
+#   3. benchmarks/gpu_train.py: actor-update throughput (tokens/s) and MFU of a ~1B Qwen2-shaped model, bf16,
+#      2 warm-up + 20 timed PolicyWorker.update steps on random packed data.
 # Self-contained for a machine without network: megatron-core comes from the carried wheel
 # folder, rlsys from this checkout, torch and the rest from the machine's python3.
 #
 # 1. Here (needs PyPI), once:   bash benchmarks/make_gpu_bundle.sh     # fills the ignored .gpu_bundle/ (~2.6 MB)
 # 2. The device tool:
-#      run(command="bash benchmarks/gpu_check.sh", carry=[".gpu_bundle"], timeout_s=420)
-#    Expect 3-4 minutes (install and imports ~30 s, matmul probe, build, torch.compile of megatron's
-#    fused SwiGLU, 22 steps of ~1-3 s). The summary is the last lines of output_tail; $OUT gets
-#    env.txt, gpu_train.log and gpu_train.json.
+#      run(command="bash benchmarks/gpu_check.sh --steps 10", carry=[".gpu_bundle"], timeout_s=540)
+#    Expect 5-7 minutes (install and imports ~30 s, the sync checks ~1 min, the offload check two tiny
+#    engines, then matmul probe, build, torch.compile of megatron's fused SwiGLU, steps of ~1-3 s). The
+#    summary is the last lines of output_tail; $OUT gets env.txt, sync_check*.log, offload_check.log,
+#    gpu_train.log and gpu_train.json.
 #
 # Arguments go to gpu_train.py (e.g. `--layers 8`, `--max-tokens 8192`, `--recompute selective`).
 # Environment: PYTHON (python3), GPU_BUNDLE (.gpu_bundle), GPU_CHECK_SITE (install target,
@@ -26,7 +34,8 @@ RESULTS=${OUT:-/tmp/rlsys_gpu_check}
 read -r -a ARGS <<<"${GPU_CHECK_ARGS:---device cuda}"
 mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # packed rows vary in length
+TRAIN_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # packed rows vary in length (training only:
+unset PYTORCH_CUDA_ALLOC_CONF  # CUDA IPC cannot share expandable segments where pidfd_getfd is refused)
 
 if [[ ! -f $BUNDLE/requirements.txt ]]; then
     echo "no $BUNDLE/requirements.txt: run benchmarks/make_gpu_bundle.sh here and carry $BUNDLE" >&2
@@ -63,6 +72,18 @@ EOF
 } 2>&1 | tee "$RESULTS/env.txt"
 [[ ${PIPESTATUS[0]} == 0 ]] || exit 4
 
+failed=0
+echo "=== gpu_sync_check.py (default allocator)"
+"$PYTHON" benchmarks/gpu_sync_check.py --mb 256 --consumers 4 2>&1 | tee "$RESULTS/sync_check.log"
+[[ ${PIPESTATUS[0]} == 0 ]] || failed=1
+echo "=== gpu_sync_check.py under expandable_segments:True (recorded: rlsys refuses the tensor transport there)"
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 240 "$PYTHON" benchmarks/gpu_sync_check.py --mb 64 \
+    --consumers 2 2>&1 | tee "$RESULTS/sync_check_expandable.log"
+echo "=== gpu_offload_check.py"
+"$PYTHON" benchmarks/gpu_offload_check.py 2>&1 | tee "$RESULTS/offload_check.log"
+[[ ${PIPESTATUS[0]} == 0 ]] || failed=1
+
+export PYTORCH_CUDA_ALLOC_CONF=$TRAIN_ALLOC_CONF
 bench() {
     "$PYTHON" benchmarks/gpu_train.py "${ARGS[@]}" --json "$RESULTS/gpu_train.json" "$@" 2>&1 |
         tee "$RESULTS/gpu_train.log"
@@ -81,5 +102,6 @@ if ((rc != 0)) && [[ -z ${TORCH_COMPILE_DISABLE:-} ]] &&
     bench "$@"
     rc=$?
 fi
-echo "=== gpu_check exit $rc; results in $RESULTS"
+((rc == 0 && failed)) && rc=5
+echo "=== gpu_check exit $rc (sync/offload checks: $([[ $failed == 0 ]] && echo ok || echo FAILED)); results in $RESULTS"
 exit "$rc"

@@ -6,12 +6,22 @@ on that machine):
    IPC handle, device named by UUID); a receiver process decodes it the way SGLang's patched torch
    reductions do (UUID -> local device index), copies the tensors out and returns their sha256, which must
    equal the sender's. Reports the handle round trip and the copy rate for a ``--mb`` bucket.
-2. **NCCL between two trainer processes**: with two or more GPUs, a broadcast over
+2. **CUDA IPC with several consumers of one bucket, under allocation pressure** (``--consumers 4``): what
+   colocated engines x TP ranks do. Receiver 0 copies at once, answers and lets go of its handle; the others
+   wait until the sender, told that receiver 0 is done, has dropped what it no longer keeps and allocated and
+   filled new buffers of the bucket's size (caching-allocator misses run torch's IPC limbo collection), then
+   copy. ``shared``: one payload for all, its tensor dropped once serialized (rlsys before
+   ``rlsys.sync.colocated.colocated_sends``); ``per_consumer``: ``colocated_sends``' own payloads, each from
+   a copy of its own, kept until every receiver answered. Each receiver's sha256 must equal the sender's;
+   ``shared`` is expected to fail on some runs (it is the defect), ``per_consumer`` never.
+3. **NCCL between two trainer processes**: with two or more GPUs, a broadcast over
    ``rlsys.sync.process_group.init_custom_process_group`` (the weight-update group's construction) from
    GPU 0 to GPU 1, GB/s; with one GPU, the same group with both ranks on GPU 0, which NCCL must refuse
    (why ``rlsys plan`` refuses ``sync.transport: broadcast`` for colocated engines).
 
-Run: ``python benchmarks/gpu_sync_check.py [--mb 256]``; prints one JSON line per check and a summary.
+Run: ``python benchmarks/gpu_sync_check.py [--mb 256] [--consumers 4]``; prints one JSON line per check and a
+summary. ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` makes the CUDA IPC checks record what sharing
+expandable segments does in this container (``pidfd_getfd``; rlsys refuses the ``tensor`` transport under it).
 ``--device cpu`` runs check 1 with CPU tensors (inline bytes) as a dry run here.
 """
 
@@ -51,12 +61,10 @@ def _bucket(mb: int, device: str):
     return bucket
 
 
-def _receiver(payload_queue, result_queue) -> None:
-    """Decode as SGLang's scheduler does after ``monkey_patch_torch_reductions``: the device field of a CUDA
-    tensor's rebuild arguments is a UUID, mapped back to this process's device index."""
+def _decode_uuids_as_sglang() -> None:
+    """As SGLang's ``monkey_patch_torch_reductions``: a CUDA tensor's rebuild arguments name the device by UUID,
+    mapped back to this process's device index."""
     from torch.multiprocessing import reductions
-
-    from rlsys.sync.colocated import _metadata_importable
 
     real = reductions.rebuild_cuda_tensor
 
@@ -68,6 +76,14 @@ def _receiver(payload_queue, result_queue) -> None:
         return real(*args)
 
     reductions.rebuild_cuda_tensor = rebuild
+
+
+def _receiver(payload_queue, result_queue) -> None:
+    """Decode as SGLang's scheduler does after ``monkey_patch_torch_reductions``: the device field of a CUDA
+    tensor's rebuild arguments is a UUID, mapped back to this process's device index."""
+    from rlsys.sync.colocated import _metadata_importable
+
+    _decode_uuids_as_sglang()
     payload = payload_queue.get()
     start = time.perf_counter()
     with _metadata_importable():
@@ -106,6 +122,92 @@ def check_ipc(mb: int, device: str) -> dict:
         "receiver_open_s": got["open_s"],
         "receiver_copy_gb_s": got["bytes"] / max(got["copy_s"], 1e-9) / 1e9,
         "bytes": got["bytes"],
+    }
+
+
+def _consumer(index: int, payload_queue, go, opened, result_queue) -> None:
+    """Receiver ``index`` of check 2. Receiver 0 opens the handle, copies, lets go of it and answers; the others
+    answer as soon as the handle is open (SGLang answers before its copies are done) and copy after ``go``."""
+    from rlsys.sync.colocated import _metadata_importable
+
+    _decode_uuids_as_sglang()
+    try:
+        payload = payload_queue.get()
+        with _metadata_importable():
+            obj = pickle.loads(base64.b64decode(payload))
+        flat, metas = obj["flattened_tensor"], obj["metadata"]
+        if index > 0:
+            opened.put(index)
+            go.wait(120)
+        own = flat.clone()
+        if own.is_cuda:
+            torch.cuda.synchronize()
+        del flat, obj
+        if index == 0:
+            opened.put(index)
+        tensors = [own[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape) for m in metas]
+        result_queue.put({"index": index, "digest": _digest(tensors)})
+    except Exception as e:  # e.g. pidfd_getfd refused under expandable_segments
+        opened.put(index)
+        result_queue.put({"index": index, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+
+
+def check_ipc_consumers(mb: int, device: str, consumers: int, mode: str) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rlsys.sync.colocated import colocated_sends, serialize_flattened_bucket
+
+    bucket = _bucket(mb, device).aligned()
+    want = _digest(bucket.tensors)
+    ctx = mp.get_context("spawn")
+    queues = [ctx.Queue() for _ in range(consumers)]
+    go, opened, results = ctx.Event(), ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_consumer, args=(i, queues[i], go, opened, results)) for i in range(consumers)]
+    for p in procs:
+        p.start()
+    start = time.perf_counter()
+    if mode == "shared":  # one payload for all, its tensor dropped once serialized
+        payload = serialize_flattened_bucket(bucket)
+        for q in queues:
+            q.put(payload)
+        for _ in range(consumers):
+            opened.get(timeout=300)
+    else:
+        answers: dict = {}
+
+        def send(index, payloads):
+            queues[index].put(payloads[0])
+            while index not in answers:  # answers arrive in any order; each thread waits for its own
+                answers[opened.get(timeout=300)] = True
+            return index
+
+        calls = ThreadPoolExecutor(1)  # one thread reads the answers in turn
+        with colocated_sends(calls, [(i, 1) for i in range(consumers)], bucket, send, 300) as replies:
+            for r in replies:
+                r.result(300)
+        calls.shutdown()
+    # every receiver answered, receiver 0 let go: what the sender keeps is dropped now, then new buffers of the
+    # bucket's size are allocated and filled (allocator misses run the IPC limbo collection) before the others copy
+    del bucket.tensors[:]
+    pressure = [torch.full((mb * 2**20,), i + 1, dtype=torch.uint8, device=device) for i in range(8)]
+    if device == "cuda":
+        torch.cuda.synchronize()
+    go.set()
+    got = [results.get(timeout=300) for _ in range(consumers)]
+    elapsed = time.perf_counter() - start
+    del pressure
+    for p in procs:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+    bad = sorted(r["index"] for r in got if r.get("digest") != want)
+    return {
+        "check": f"ipc_{consumers}_consumers_{mode}",
+        "ok": not bad if mode == "per_consumer" else True,  # shared: recorded; a corruption is the defect shown
+        "corrupted_receivers": bad,
+        "errors": [r["error"] for r in got if "error" in r],
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "seconds": elapsed,
     }
 
 
@@ -158,11 +260,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mb", type=int, default=256)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--consumers", type=int, default=4, help="receivers of one bucket in check 2")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: use --device cpu for a dry run")
         return 2
     checks = [check_ipc(args.mb, args.device)]
+    for mode in ("shared", "per_consumer"):
+        checks.append(check_ipc_consumers(args.mb, args.device, args.consumers, mode))
     if args.device == "cuda":
         checks.append(check_nccl(args.mb))
     for c in checks:
