@@ -6,6 +6,7 @@ are ``[batch]``. Only ``vocab_parallel`` touches torch.distributed (the TP group
 
 from rlsys.algorithms.advantages import (
     AdaptiveKLController,
+    AdvantageInputs,
     FixedKLController,
     broadcast_to_tokens,
     compute_advantages,
@@ -39,6 +40,7 @@ __all__ = [
     "AGG_MODES",
     "KL_KINDS",
     "AdaptiveKLController",
+    "AdvantageInputs",
     "DynamicSampler",
     "DynamicSamplingExhausted",
     "FixedKLController",

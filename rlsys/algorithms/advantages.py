@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlsys.algorithms.filters import GroupIds, as_group_index
+from rlsys.config.registry import advantage_estimator
 
 if TYPE_CHECKING:
     from rlsys.config import AdvantageConfig
@@ -334,49 +335,73 @@ class FixedKLController:
 
 # ---------------------------------------------------------------- the advantage stage
 
-GROUP_NORMALIZED = ("grpo", "dapo", "gspo")
+
+@dataclass
+class AdvantageInputs:
+    """What the advantage stage has for one step: outcome ``scores`` [B], prompt ``group_ids``, the trained
+    response tokens ``mask`` [B, R], and where the run computes them, the old policy's and the reference's
+    log-probs and the critic's values [B, R] (None otherwise). ``reward_kl_coef > 0`` folds the KL to the
+    reference into the token rewards (PPO / REINFORCE++ style): the caller passes its fixed or adaptive
+    coefficient when ``algorithm.kl.use_loss`` is false, and 0 when the actor adds the KL as a loss term."""
+
+    scores: torch.Tensor
+    group_ids: GroupIds
+    mask: torch.Tensor
+    old_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    reward_kl_coef: float = 0.0
+    metrics: dict = field(default_factory=dict)  # what shaping reports (actor/reward_kl)
+
+    def token_rewards(self) -> torch.Tensor:
+        """The outcome at each response's last token, KL-shaped when ``reward_kl_coef > 0``."""
+        rewards = outcome_to_token_rewards(self.scores, self.mask)
+        if self.reward_kl_coef > 0 and self.ref_logp is not None:
+            rewards, kl = kl_shaped_rewards(rewards, self.old_logp, self.ref_logp, self.mask, self.reward_kl_coef)
+            self.metrics["actor/reward_kl"] = float((kl.sum() / self.mask.sum().clamp(min=1)).item())
+        return rewards
 
 
-def compute_advantages(
-    name: str,
-    adv: AdvantageConfig,
-    scores: torch.Tensor,
-    group_ids: list,
-    mask: torch.Tensor,
-    old_logp: torch.Tensor | None = None,
-    ref_logp: torch.Tensor | None = None,
-    values: torch.Tensor | None = None,
-    *,
-    reward_kl_coef: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
-    """``(advantages [B, R], critic returns [B, R] or None, metrics)`` from outcome ``scores`` [B].
+# The built-in estimators (rlsys.config.registry names them): ``fn(x, cfg) -> (advantages, returns, metrics)``.
 
-    ``name`` is the algorithm (``algorithm.name``) and ``mask`` marks the trained response tokens.
-    ``reward_kl_coef > 0`` folds the KL to the reference into the token rewards (PPO / REINFORCE++
-    style, needs ``old_logp`` and ``ref_logp``): the caller passes its fixed or adaptive coefficient
-    when ``algorithm.kl.use_loss`` is false, and 0 when the actor adds the KL as a loss term. The
-    estimators that work on the outcome scores alone (GRPO, RLOO, REINFORCE++-baseline) ignore it.
-    """
-    metrics = {}
-    if name in GROUP_NORMALIZED or name == "rloo":
-        seq = (
-            rloo_advantages(scores, group_ids)
-            if name == "rloo"
-            else grpo_advantages(scores, group_ids, adv.norm_by_std, adv.eps)
-        )
-        return broadcast_to_tokens(seq, mask), None, metrics
-    if name == "reinforce_pp" and adv.reinforce_baseline:
-        return reinforce_pp_baseline_advantages(scores, group_ids, mask), None, metrics
-    rewards = outcome_to_token_rewards(scores, mask)
-    if reward_kl_coef > 0 and ref_logp is not None:
-        rewards, kl = kl_shaped_rewards(rewards, old_logp, ref_logp, mask, reward_kl_coef)
-        metrics["actor/reward_kl"] = float((kl.sum() / mask.sum().clamp(min=1)).item())
-    if name == "reinforce_pp":
-        return reinforce_pp_advantages(rewards, mask, adv.gamma), None, metrics
-    # ppo: GAE on the critic's values, optionally VAPO's length-adaptive / decoupled lambdas
-    lam = length_adaptive_lambda(mask.sum(-1), adv.lam_alpha) if adv.lam_alpha else adv.lam
-    if adv.lam_critic is not None:
-        advantages, returns = decoupled_gae(rewards, values, mask, adv.gamma, lam, adv.lam_critic)
+
+def group_normalized(x: AdvantageInputs, cfg: AdvantageConfig):
+    """GRPO (and DAPO, GSPO): ``grpo_advantages`` of the scores, on every response token."""
+    return broadcast_to_tokens(grpo_advantages(x.scores, x.group_ids, cfg.norm_by_std, cfg.eps), x.mask), None, {}
+
+
+def leave_one_out(x: AdvantageInputs, cfg: AdvantageConfig):
+    """RLOO: ``rloo_advantages`` of the scores, on every response token."""
+    return broadcast_to_tokens(rloo_advantages(x.scores, x.group_ids), x.mask), None, {}
+
+
+def reinforce_pp_baseline(x: AdvantageInputs, cfg: AdvantageConfig):
+    """REINFORCE++-baseline: ``reinforce_pp_baseline_advantages``."""
+    return reinforce_pp_baseline_advantages(x.scores, x.group_ids, x.mask), None, {}
+
+
+def reinforce_pp(x: AdvantageInputs, cfg: AdvantageConfig):
+    """REINFORCE++: discounted returns of the (KL-shaped) token rewards, whitened over the batch."""
+    rewards = x.token_rewards()
+    return reinforce_pp_advantages(rewards, x.mask, cfg.gamma), None, x.metrics
+
+
+def generalized(x: AdvantageInputs, cfg: AdvantageConfig):
+    """PPO: GAE on the critic's values, optionally VAPO's length-adaptive / decoupled lambdas."""
+    rewards = x.token_rewards()
+    lam = length_adaptive_lambda(x.mask.sum(-1), cfg.lam_alpha) if cfg.lam_alpha else cfg.lam
+    if cfg.lam_critic is not None:
+        advantages, returns = decoupled_gae(rewards, x.values, x.mask, cfg.gamma, lam, cfg.lam_critic)
     else:
-        advantages, returns = gae(rewards, values, mask, adv.gamma, lam)
-    return advantages, returns, metrics
+        advantages, returns = gae(rewards, x.values, x.mask, cfg.gamma, lam)
+    return advantages, returns, x.metrics
+
+
+group_normalized.groups = leave_one_out.groups = reinforce_pp_baseline.groups = True
+generalized.needs = ("values",)
+
+
+def compute_advantages(estimator: str, cfg: AdvantageConfig, x: AdvantageInputs):
+    """``(advantages [B, R], critic returns [B, R] or None, metrics)`` from the estimator named ``estimator``
+    (``rlsys.config.registry``: a registered name or ``package.module:function``)."""
+    return advantage_estimator(estimator)(x, cfg)

@@ -143,3 +143,21 @@ def gspo_policy_loss(
     pg_loss = aggregate(loss, mask, agg, **denominators)
     metrics["pg_loss"] = pg_loss.detach()
     return pg_loss, metrics
+
+
+# The built-in policy losses (rlsys.config.registry names them), on the actor's ``PolicyLossConfig``.
+
+
+def ppo_clip(logp, old_logp, advantages, mask, cfg, *, weights=None, **denominators):
+    """``ppo_policy_loss`` with ``algorithm.loss``'s clip range, dual clip and log-ratio clip."""
+    return ppo_policy_loss(
+        logp, old_logp, advantages, mask, cfg.clip_low, cfg.clip_high, cfg.dual_clip, cfg.agg_mode,
+        log_ratio_clip=cfg.log_ratio_clip, weights=weights, **denominators,
+    )  # fmt: skip
+
+
+def gspo(logp, old_logp, advantages, mask, cfg, *, weights=None, **denominators):
+    """``gspo_policy_loss`` with ``algorithm.loss``'s clip range."""
+    return gspo_policy_loss(
+        logp, old_logp, advantages, mask, cfg.clip_low, cfg.clip_high, cfg.agg_mode, weights=weights, **denominators
+    )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlsys.config.registry import check_policy_loss, estimator_name, estimator_needs, policy_loss_name
 from rlsys.config.schema import (
     ROLES,
     AlgorithmConfig,
@@ -217,7 +218,14 @@ def _check_algorithm(a: AlgorithmConfig) -> None:
 
 
 # Algorithms whose advantage compares the samples of one prompt with each other.
-GROUP_ALGORITHMS = ("grpo", "dapo", "gspo", "rloo")
+def _algorithm_seams(a) -> tuple[tuple[str, ...], bool]:
+    """The advantage estimator's declared needs, after checking that it and the policy loss can be found."""
+    try:
+        check_policy_loss(policy_loss_name(a))
+        return estimator_needs(estimator_name(a))
+    except ValueError as e:
+        key, _, message = str(e).partition(": ")
+        raise ConfigError(key, message) from None
 
 
 def _check_cross_section(cfg: RunConfig) -> None:
@@ -238,8 +246,12 @@ def _check_cross_section(cfg: RunConfig) -> None:
             f"must be <= the longest response ({response_tokens(cfg)} tokens: rollout.sampling.max_new_tokens, or "
             "rollout.multi_turn.max_total_tokens with an environment)",
         )
-    if a.name == "ppo":
-        _need(cfg.critic.enabled, "critic.enabled", False, "algorithm 'ppo' needs a critic (GAE)")
+    needs, groups = _algorithm_seams(a)
+    if "values" in needs:
+        _need(
+            cfg.critic.enabled, "critic.enabled", False,
+            f"algorithm '{a.name}' (advantage estimator '{estimator_name(a)}') needs a critic's values",
+        )  # fmt: skip
     warmup = a.schedule.critic_warmup_steps
     if warmup:
         _need(cfg.critic.enabled, "algorithm.schedule.critic_warmup_steps", warmup, "needs critic.enabled: true")
@@ -253,9 +265,10 @@ def _check_cross_section(cfg: RunConfig) -> None:
             "overlaps rollout with training, so engines and roles cannot take turns on the devices: set "
             "rollout.release_memory: false and every <role>.offload: false (or cluster.colocate: false)",
         )
-    if a.name in GROUP_ALGORITHMS:
+    if groups:
         n = cfg.rollout.sampling.n
-        _need(n >= 2, "rollout.sampling.n", n, f"'{a.name}' compares samples of one prompt: needs n >= 2")
+        name = estimator_name(a)
+        _need(n >= 2, "rollout.sampling.n", n, f"'{name}' compares samples of one prompt: needs n >= 2")
     if a.kl.coef > 0:
         _need(
             cfg.ref.enabled,

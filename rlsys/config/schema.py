@@ -220,6 +220,9 @@ class AdvantageConfig:
     lam_critic: float | None = None  # VAPO decoupled GAE: lambda of the critic's targets; None = lam
     lam_alpha: float | None = None  # VAPO length-adaptive lambda = 1 - 1/(alpha * length); None = fixed lam
     reinforce_baseline: bool = False  # reinforce_pp: subtract the group mean first (REINFORCE++-baseline)
+    # a registered estimator (grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae) or 'package.module:function'
+    # (rlsys.config.registry); None = algorithm.name's
+    estimator: str | None = None
 
 
 @dataclass
@@ -233,6 +236,9 @@ class PolicyLossConfig:
     entropy_coef: float = 0.0
     agg_mode: LossAggMode = "token-mean"  # how token losses are averaged into the batch loss
     dr_grpo_norm: int | None = None  # constant of seq-mean-token-sum-norm; None = longest response of the step
+    # a registered loss (ppo_clip, gspo) or 'package.module:function' (rlsys.config.registry); None =
+    # algorithm.name's
+    policy_loss: str | None = None
 
 
 @dataclass

@@ -6,9 +6,10 @@ batches, the Megatron role groups, the weight sync, checkpoints, loggers); ``ste
 
 from __future__ import annotations
 
-from rlsys.algorithms import compute_advantages, masked_mean, mismatch_metrics, mismatch_weights
+from rlsys.algorithms import AdvantageInputs, compute_advantages, masked_mean, mismatch_metrics, mismatch_weights
 from rlsys.algorithms import kl as kl_estimate
 from rlsys.config import RunConfig
+from rlsys.config.registry import estimator_name
 from rlsys.controller.metrics import Timer, check_updates, sample_rows, step_metrics
 from rlsys.controller.replay import rollout_dir, save_rollout
 from rlsys.controller.run import Run, build_run
@@ -122,10 +123,8 @@ def learn(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
     # 5. advantages (+ train/inference mismatch correction)
     reward_kl = 0.0 if algo.kl.use_loss else run.kl.beta  # PPO-style: the KL penalty goes into the rewards
     old_logp = None if in_update else batch.padded("old_logp")
-    adv, returns, metrics = compute_advantages(
-        algo.name, algo.advantage, rolled.scores, rolled.group_ids, mask, old_logp, ref_logp, values,
-        reward_kl_coef=reward_kl,
-    )  # fmt: skip
+    x = AdvantageInputs(rolled.scores, rolled.group_ids, mask, old_logp, ref_logp, values, reward_kl_coef=reward_kl)
+    adv, returns, metrics = compute_advantages(estimator_name(algo), algo.advantage, x)
     batch.set("advantages", unpad_rows(adv, lengths))
     if returns is not None:
         batch.set("returns", unpad_rows(returns, lengths))

@@ -19,6 +19,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rlsys.config.registry import import_function
 from rlsys.errors import UserError
 
 
@@ -70,13 +71,9 @@ def get_reward_spec(name: str) -> RewardSpec:
         return _REGISTRY[name]
     mod_name, _, attr = name.partition(":") if ":" in name else name.rpartition(".")
     try:
-        fn = getattr(importlib.import_module(mod_name), attr)
-    except ImportError as e:
-        raise UserError(f"reward.name: cannot import module {mod_name!r} of {name!r}: {e}") from e
-    except AttributeError:
-        raise UserError(f"reward.name: module {mod_name!r} has no function {attr!r}") from None
-    if not callable(fn):
-        raise UserError(f"reward.name: {name!r} is not callable")
+        fn = import_function(mod_name, attr, "reward.name")
+    except ValueError as e:
+        raise UserError(str(e)) from None
     return RewardSpec(fn, getattr(fn, "reward_executor", "process"), bool(getattr(fn, "reward_batched", False)))
 
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 
 from rlsys.algorithms.kl import entropy_bonus, kl_loss
-from rlsys.algorithms.policy_loss import gspo_policy_loss, ppo_policy_loss
 from rlsys.algorithms.vocab_parallel import logprobs_and_entropy
 from rlsys.config import PolicyObjective
+from rlsys.config.registry import policy_loss as load_policy_loss
+from rlsys.config.registry import policy_loss_name
 from rlsys.faults import kill_rank_in_update, nan_update
 from rlsys.worker.batch import TrainBatch, unpad_rows
 from rlsys.worker.engine import MegatronEngine
@@ -46,6 +47,10 @@ class PolicyWorker:
         self.vocab_size = engine.arch.vocab_size
         self._own_old, self._seen, self._lengths = False, [], []  # see update
         self._updates = 0  # this process's update calls (rlsys.faults)
+        # rlsys.config.registry: a preset's loss or the user's; its own metrics reduce as it declares them
+        self.policy_loss = load_policy_loss(policy_loss_name(objective)) if objective is not None else None
+        declared = getattr(self.policy_loss, "metrics", {})
+        self.metric_spec = {**ACTOR_METRICS, **{f"actor/{k}": how for k, how in declared.items()}}
 
     # -- shared pieces ------------------------------------------------------------------------
 
@@ -117,7 +122,7 @@ class PolicyWorker:
             schedule.mini_batches_per_step,
             schedule.ppo_epochs,
             self._loss_fn,
-            ACTOR_METRICS if self.engine.replay is None else ACTOR_METRICS | REPLAY_METRICS,
+            self.metric_spec if self.engine.replay is None else self.metric_spec | REPLAY_METRICS,
             prefix="actor",
             agg=pl.agg_mode,
             norm_const=norm,
@@ -129,10 +134,7 @@ class PolicyWorker:
         use_kl = kl.use_loss and kl.coef > 0
         names = ["advantages"] + ([] if self._own_old else ["old_logp"]) + (["ref_logp"] if use_kl else [])
         names += ["rollout_weights"] if "rollout_weights" in mini.fields else []
-        policy_loss = gspo_policy_loss if obj.name == "gspo" else ppo_policy_loss
-        clip = {"clip_low": pl.clip_low, "clip_high": pl.clip_high}
-        if obj.name != "gspo":
-            clip.update(dual_clip=pl.dual_clip, log_ratio_clip=pl.log_ratio_clip)
+        policy_loss = self.policy_loss
 
         def loss_fn(output, inp: ModelInput):
             f = response_fields(mini, inp, names, output.device)
@@ -143,19 +145,11 @@ class PolicyWorker:
                 ent = ent if pl.entropy_coef > 0 else None
             mask = f["mask"]
             loss, m = policy_loss(
-                logp,
-                f["old_logp"],
-                f["advantages"],
-                mask,
-                agg=pl.agg_mode,
-                weights=f.get("rollout_weights"),
-                **clip,
-                **denominators,
+                logp, f["old_logp"], f["advantages"], mask, pl, weights=f.get("rollout_weights"), **denominators
             )
-            entry = {f"actor/{k}": (float(v), 1.0) for k, v in m.items() if k == "pg_loss"}
-            n = float(mask.sum())
-            entry.update({f"actor/{k}": (float(v) * n, n) for k, v in m.items() if k not in ("pg_loss", "ratio_max")})
-            entry["actor/ratio_max"] = (float(m["ratio_max"]), 1.0)
+            n = float(mask.sum())  # a loss's metrics are token means, but its loss and a max are taken as they are
+            entry = {f"actor/{k}": (float(v) * n, n) for k, v in m.items() if k not in ("pg_loss", "ratio_max")}
+            entry.update({f"actor/{k}": (float(m[k]), 1.0) for k in ("pg_loss", "ratio_max") if k in m})
             entry["actor/tokens"] = (n, 1.0)
             if self.engine.replay is not None:  # this micro-batch's forward (loss_fn runs right after it)
                 replayed, rerouted = self.engine.replay.take_counts()

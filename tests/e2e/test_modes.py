@@ -11,7 +11,7 @@ import pytest
 
 from rlsys.config import load_config
 from rlsys.controller.loop import train
-from rlsys.errors import UserError
+from rlsys.errors import ConfigError, UserError
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny-cpu-grpo.yaml")
@@ -96,6 +96,24 @@ def test_rollout_only_then_train_only_replays_the_saved_batches(tmp_path):
     assert trained[1]["rollout/logprob_diff_max"] > 1e-3
     with pytest.raises(UserError, match="--rollout-only"):
         run(tmp_path, "nothing", 1, mode="train", replay_dir=str(tmp_path / "missing"))
+
+
+def test_an_algorithm_from_outside_rlsys_trains(tmp_path, monkeypatch):
+    """A new advantage estimator and policy loss are a module and two config keys (``rlsys.config.registry``):
+    ``tests/e2e/custom_algorithm.py`` defines both, and nothing inside rlsys names them."""
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))
+    keys = [
+        "algorithm.advantage.estimator=custom_algorithm:centered",
+        "algorithm.loss.policy_loss=custom_algorithm:unclipped",
+    ]
+    history = run(tmp_path, "custom", 2, *keys)
+    for m in history:
+        assert finite(m), m
+        assert m["advantage/custom_calls"] == 1.0  # the estimator's own metric: it ran on the controller
+        assert m["actor/custom_marker"] == 1.0  # the loss's declared metric, reduced on the rank: it ran there
+        assert m["actor/grad_norm"] > 0
+    with pytest.raises(ConfigError, match="algorithm.loss.policy_loss.*has no function 'missing'"):
+        run(tmp_path, "bad", 1, "algorithm.loss.policy_loss=custom_algorithm:missing")
 
 
 def test_colocated_turns_offload_release_and_critic_warmup(tmp_path):

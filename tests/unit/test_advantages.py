@@ -7,6 +7,7 @@ import torch
 
 from rlsys.algorithms.advantages import (
     AdaptiveKLController,
+    AdvantageInputs,
     FixedKLController,
     broadcast_to_tokens,
     compute_advantages,
@@ -21,7 +22,8 @@ from rlsys.algorithms.advantages import (
     reinforce_pp_baseline_advantages,
     rloo_advantages,
 )
-from rlsys.config import AdvantageConfig
+from rlsys.config import AdvantageConfig, AlgorithmConfig
+from rlsys.config.registry import estimator_name
 
 T = torch.tensor
 
@@ -412,30 +414,40 @@ def test_group_ids_may_be_prompt_strings():
 # ---------------------------------------------------------------------------
 
 
+def _algo(name, **advantage):
+    return AlgorithmConfig(name=name, advantage=AdvantageConfig(**advantage))
+
+
+def _stage(algo, scores, groups, mask, *extra, reward_kl_coef=0.0):
+    """The controller's call: the estimator ``algo`` names (preset or key), on ``AdvantageInputs``."""
+    x = AdvantageInputs(scores, groups, mask, *extra, reward_kl_coef=reward_kl_coef)
+    return compute_advantages(estimator_name(algo), algo.advantage, x)
+
+
 def test_compute_advantages_group_estimators_follow_the_section():
     scores, groups, mask = T([1.0, 0.0, 3.0, 1.0]), [0, 0, 1, 1], T([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]])
-    adv, returns, metrics = compute_advantages("grpo", AdvantageConfig(norm_by_std=False), scores, groups, mask)
+    adv, returns, metrics = _stage(_algo("grpo", norm_by_std=False), scores, groups, mask)
     close(adv, broadcast_to_tokens(grpo_advantages(scores, groups, norm_by_std=False), mask))
     assert returns is None and metrics == {}
-    adv, _, _ = compute_advantages("rloo", AdvantageConfig(), scores, groups, mask, reward_kl_coef=0.5)
+    adv, _, _ = _stage(_algo("rloo"), scores, groups, mask, reward_kl_coef=0.5)
     close(adv, broadcast_to_tokens(rloo_advantages(scores, groups), mask))  # group estimators see no KL
-    adv, _, _ = compute_advantages("reinforce_pp", AdvantageConfig(reinforce_baseline=True), scores, groups, mask)
+    adv, _, _ = _stage(_algo("reinforce_pp", reinforce_baseline=True), scores, groups, mask)
     close(adv, reinforce_pp_baseline_advantages(scores, groups, mask))
+    adv, _, _ = _stage(_algo("ppo", estimator="rloo"), scores, groups, mask)  # the key over the preset
+    close(adv, broadcast_to_tokens(rloo_advantages(scores, groups), mask))
 
 
 def test_compute_advantages_ppo_gae_and_kl_in_reward():
     scores, groups, mask = T([1.0, 0.0]), [0, 1], T([[1, 1, 0], [1, 1, 1]])
     values = T([[0.5, 0.6, 0.0], [0.1, 0.2, 0.3]])
     old, ref = T([[-1.0, -2.0, 0.0], [-1.0, -1.0, -1.0]]), T([[-1.5, -2.0, 0.0], [-1.0, -0.5, -1.0]])
-    section = AdvantageConfig(gamma=0.9, lam=0.8, lam_critic=1.0)
-    adv, returns, metrics = compute_advantages("ppo", section, scores, groups, mask, old, ref, values)
+    algo = _algo("ppo", gamma=0.9, lam=0.8, lam_critic=1.0)
+    adv, returns, metrics = _stage(algo, scores, groups, mask, old, ref, values)
     expected = decoupled_gae(outcome_to_token_rewards(scores, mask), values, mask, 0.9, 0.8, 1.0)
     close(adv, expected[0])
     close(returns, expected[1])
     assert metrics == {}
-    adv, returns, metrics = compute_advantages(
-        "ppo", section, scores, groups, mask, old, ref, values, reward_kl_coef=0.1
-    )
+    adv, returns, metrics = _stage(algo, scores, groups, mask, old, ref, values, reward_kl_coef=0.1)
     shaped, kl = kl_shaped_rewards(outcome_to_token_rewards(scores, mask), old, ref, mask, 0.1)
     expected = decoupled_gae(shaped, values, mask, 0.9, 0.8, 1.0)
     close(adv, expected[0])
