@@ -36,7 +36,8 @@ class AheadRollout:
         self._next: tuple[int, Future] | None = None
 
     def resume(self, step: int) -> bool:
-        """Take the batch a checkpoint kept for ``step``, if it did; whether it was there."""
+        """Take the batch checkpoint ``step`` kept for the step after it, if it did; whether it was there."""
+        step += 1
         path = os.path.join(self.pending_root, f"step_{step:06d}.pt")
         if not os.path.exists(path):
             return False

@@ -76,6 +76,9 @@ class NoCheckpoints:
     def to_resume(self) -> None:
         return None
 
+    def resume(self, ckpt: str) -> dict:
+        raise RuntimeError("a run without trained roles has no checkpoint to resume")
+
     def due(self, step: int, last_step: int) -> bool:
         return False
 

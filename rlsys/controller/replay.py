@@ -95,5 +95,11 @@ class Replay:
     def around_sync(self, timer):
         return contextlib.nullcontext()
 
-    def close(self) -> None:
+    def keep_pending(self, step: int) -> None:
+        """The saved batches are the state: step k replays file k."""
+
+    def resume(self, step: int) -> bool:
+        return False
+
+    def close(self, wait: bool = True) -> None:
         pass

@@ -28,6 +28,7 @@ from rlsys.controller.colocation import Turns
 from rlsys.controller.group import RoleGroup
 from rlsys.controller.placement import Placement
 from rlsys.controller.replay import Replay, rollout_dir
+from rlsys.controller.seams import BatchSource, CheckpointStore, EngineUpdates, KLController
 from rlsys.controller.setup import prepare_model_dir, role_spec, start_ray
 from rlsys.controller.stream import StreamRollout
 from rlsys.controller.weights import EngineSync, NoSync
@@ -52,12 +53,12 @@ MODES = ("full", "rollout", "train")
 class Run:
     cfg: RunConfig
     prompts: PromptSource
-    source: EngineRollout | AheadRollout | StreamRollout | Replay
+    source: BatchSource
     roles: dict[str, RoleGroup]  # enabled roles by name; none in rollout mode
     turns: Turns
-    weights: EngineSync | NoSync
-    checkpoints: Checkpoints | NoCheckpoints
-    kl: AdaptiveKLController | FixedKLController
+    weights: EngineUpdates
+    checkpoints: CheckpointStore
+    kl: KLController
     logger: MetricsLogger
     progress: ProgressReporter
     start: int  # the last step done before this run (a resumed checkpoint's step), 0 for a fresh one
@@ -138,7 +139,7 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
     with turns.phase("start-up", start=start_engines):
         roles = _start_roles(cfg, mode, model_dir, use_ray, placement, closers, turns.built)
         actor, critic = roles.get("actor"), roles.get("critic")
-        keep = source.keep_pending if isinstance(source, (AheadRollout, StreamRollout)) else None
+        keep = source.keep_pending
         checkpoints = Checkpoints(cfg.trainer, actor, critic, keep) if actor is not None else NoCheckpoints()
         state, ckpt = None, checkpoints.to_resume()
         if ckpt is not None:
@@ -177,17 +178,14 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
     )  # fmt: skip
 
 
-def _take_up(state: dict | None, prompts, kl, source) -> int:
+def _take_up(state: dict | None, prompts, kl: KLController, source: BatchSource) -> int:
     """A resumed checkpoint's prompt stream, KL coefficient and kept batches; the step it was saved after."""
     if state is None:
         return 0
     start = state["step"]
     prompts.load_state_dict(state["extra"]["prompts"])
     kl.beta = state["extra"].get("kl_coef", kl.beta)
-    if isinstance(source, AheadRollout):
-        source.resume(start + 1)
-    elif isinstance(source, StreamRollout):
-        source.resume(start)
+    source.resume(start)
     return start
 
 

@@ -175,7 +175,13 @@ class EngineRollout:
         """No batch is ever in flight here during a sync (``rlsys.controller.ahead`` and ``stream`` differ)."""
         return contextlib.nullcontext()
 
-    def close(self) -> None:
+    def keep_pending(self, step: int) -> None:
+        """Nothing outlives a step here: the prompt stream's state is in the checkpoint itself."""
+
+    def resume(self, step: int) -> bool:
+        return False
+
+    def close(self, wait: bool = True) -> None:
         self.rewards.close()
 
 
