@@ -171,72 +171,49 @@ def model_flops(arch, padded_vocab: int, lengths: list[int]) -> dict[str, float]
     return {"n_matmul_params": n_matmul, "matmul": matmul, "attention": attention, "tokens": tokens}
 
 
-def run(args) -> dict:
-    import torch
-    from fixtures import random_train_batch
-
+def _build(args, device):
+    """The engine and its policy worker on a one-rank world, with random weights; ``(worker, facts)``."""
     from rlsys.architectures.hf_config import arch_from_dict
     from rlsys.config import ParallelConfig, PolicyObjective, RoleConfig
-    from rlsys.megatron.model import padded_vocab_size
     from rlsys.megatron.topology import build_topology
     from rlsys.worker.actor import PolicyWorker
     from rlsys.worker.engine import MegatronEngine
-
-    if args.device == "cpu":
-        torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-
-    # The matmul ceiling first, on an empty device.
-    mm_n = args.matmul_size or (8192 if args.device == "cuda" else 512)
-    measured_peak = measure_matmul_peak(device, dtype, mm_n)
-    log(f"{args.dtype} matmul {mm_n}^3: {_si(measured_peak)}FLOP/s")
 
     topo = build_topology(ParallelConfig(), device=args.device, seed=args.seed)
     hf = dict(TINY if args.tiny else QWEN2_1B)
     if args.layers:
         hf["num_hidden_layers"] = args.layers
     arch = arch_from_dict(hf)
-
     role = RoleConfig()
     role.batch.use_packing = True
     role.optimizer.name = "adam"
     role.optimizer.use_distributed_optimizer = True
     role.recompute = args.recompute
-
     t0 = time.perf_counter()
     engine = MegatronEngine(
-        arch,
-        topo,
-        role,
-        dtype=args.dtype,
-        trainable=True,
-        total_steps=args.warmup + args.steps,
+        arch, topo, role, dtype=args.dtype, trainable=True, total_steps=args.warmup + args.steps,
         load=lambda chunks: random_init(chunks, args.seed),
-    )
+    )  # fmt: skip
     sync(device)
     build_s = time.perf_counter() - t0
     log(f"engine built in {build_s:.1f} s")
     spec = "te" if _te_spec(engine) else "local"
     role.batch.max_tokens_per_microbatch = args.max_tokens or (128 if args.tiny else 8192 if spec == "te" else 4096)
     params = sum(p.numel() for chunk in engine.chunks for p in chunk.parameters())
-    worker = PolicyWorker(engine, PolicyObjective(), temperature=1.0)
+    facts = {"hf": hf, "arch": arch, "topo": topo, "role": role, "spec": spec, "build_s": build_s, "params": params}
+    return PolicyWorker(engine, PolicyObjective(), temperature=1.0), facts
 
-    batch = random_train_batch(arch.vocab_size, args.samples, args.seed, args.min_len, args.max_len)
-    t0 = time.perf_counter()
-    old = worker.compute_logprobs(batch)
-    sync(device)
-    logprobs_s = time.perf_counter() - t0
-    log(f"spec {spec}: {len(batch)} samples, {sum(batch.lengths)} tokens; compute_logprobs {logprobs_s:.2f} s")
-    batch.set("old_logp", old["logp"])
-    groups, _ = engine.plan_microbatches(batch, "actor.batch.max_tokens_per_microbatch")
-    rows = [sum(batch.lengths[i] for i in g) for g in groups]
+
+def _timed_updates(worker, batch, args, device) -> tuple[list[float], dict, int | None]:
+    """``args.warmup`` untimed then ``args.steps`` timed updates: ``(seconds each, last metrics, warm-up peak)``."""
+    import torch
 
     for i in range(args.warmup):
         t = time.perf_counter()
         worker.update(batch)
         sync(device)
         log(f"warm-up step {i}: {time.perf_counter() - t:.3f} s")
+    warm_peak = None
     if device.type == "cuda":
         warm_peak = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -248,38 +225,77 @@ def run(args) -> dict:
         sync(device)
         times.append(time.perf_counter() - t)
         log(f"step {i}: {times[-1]:.3f} s  loss {metrics['actor/loss']:.4g}")
+    return times, metrics, warm_peak
 
-    flops = model_flops(arch, padded_vocab_size(arch.vocab_size, 128, topo.tp), batch.lengths)
-    tokens = flops["tokens"]
-    total_s = sum(times)
-    tok_s = tokens * len(times) / total_s
-    flop_s = (flops["matmul"] + flops["attention"]) * len(times) / total_s
-    flop_s_causal = (flops["matmul"] + flops["attention"] / 2) * len(times) / total_s
+
+def run(args) -> dict:
+    import torch
+    from fixtures import random_train_batch
+
+    from rlsys.megatron.model import padded_vocab_size
+
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+
+    # The matmul ceiling first, on an empty device.
+    mm_n = args.matmul_size or (8192 if args.device == "cuda" else 512)
+    measured_peak = measure_matmul_peak(device, dtype, mm_n)
+    log(f"{args.dtype} matmul {mm_n}^3: {_si(measured_peak)}FLOP/s")
+    worker, facts = _build(args, device)
+    arch, engine = facts["arch"], worker.engine
+
+    batch = random_train_batch(arch.vocab_size, args.samples, args.seed, args.min_len, args.max_len)
+    t0 = time.perf_counter()
+    old = worker.compute_logprobs(batch)
+    sync(device)
+    logprobs_s = time.perf_counter() - t0
+    log(f"spec {facts['spec']}: {len(batch)} samples, {sum(batch.lengths)} tokens; compute_logprobs {logprobs_s:.2f} s")
+    batch.set("old_logp", old["logp"])
+    groups, _ = engine.plan_microbatches(batch, "actor.batch.max_tokens_per_microbatch")
+    rows = [sum(batch.lengths[i] for i in g) for g in groups]
+    times, metrics, warm_peak = _timed_updates(worker, batch, args, device)
+
+    flops = model_flops(arch, padded_vocab_size(arch.vocab_size, 128, facts["topo"].tp), batch.lengths)
     peaks = {"measured_matmul": measured_peak}
     if device.type == "cuda":
         peaks = {"h100_bf16_dense_989": H100_BF16_DENSE, **peaks}
+    measured = {"logprobs_s": logprobs_s, "times": times, "metrics": metrics, "warm_peak": warm_peak, "mm_n": mm_n}
+    return _result(args, device, facts, engine, batch, groups, rows, flops, peaks, measured)
+
+
+def _result(args, device, facts, engine, batch, groups, rows, flops, peaks, measured) -> dict:
+    """The JSON of a run (``report`` prints it)."""
+    import torch
+
+    times, metrics = measured["times"], measured["metrics"]
+    tokens, total_s = flops["tokens"], sum(times)
+    tok_s = tokens * len(times) / total_s
+    flop_s = (flops["matmul"] + flops["attention"]) * len(times) / total_s
+    flop_s_causal = (flops["matmul"] + flops["attention"] / 2) * len(times) / total_s
     result = {
         "device": torch.cuda.get_device_name(device)
         if device.type == "cuda"
         else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
         "torch": torch.__version__,
         "megatron_core": _version("megatron-core"),
-        "spec": spec,
+        "spec": facts["spec"],
         "thd_attention": bool(engine.use_thd),
         "torch_compile_disabled": os.environ.get("TORCH_COMPILE_DISABLE", "") not in ("", "0"),
         "dtype": args.dtype,
-        "model": {k: v for k, v in hf.items() if k in MODEL_KEYS},
-        "params": params,
+        "model": {k: v for k, v in facts["hf"].items() if k in MODEL_KEYS},
+        "params": facts["params"],
         "n_matmul_params": flops["n_matmul_params"],
         "samples_per_step": len(batch),
         "tokens_per_step": tokens,
         "mean_seq_len": tokens / len(batch),
         "microbatches": len(groups),
-        "max_tokens_per_microbatch": role.batch.max_tokens_per_microbatch,
+        "max_tokens_per_microbatch": facts["role"].batch.max_tokens_per_microbatch,
         "microbatch_rows_max": max(rows),
         "recompute": args.recompute,
-        "build_s": build_s,
-        "compute_logprobs_s": logprobs_s,
+        "build_s": facts["build_s"],
+        "compute_logprobs_s": measured["logprobs_s"],
         "warmup_steps": args.warmup,
         "steps": len(times),
         "step_s_mean": statistics.mean(times),
@@ -294,11 +310,11 @@ def run(args) -> dict:
         "peaks_tflop_s": {k: v / 1e12 for k, v in peaks.items()},
         "mfu": {k: flop_s / v for k, v in peaks.items()},
         "mfu_causal": {k: flop_s_causal / v for k, v in peaks.items()},
-        "matmul_probe_size": mm_n,
+        "matmul_probe_size": measured["mm_n"],
         "last_metrics": {k: metrics[k] for k in ("actor/loss", "actor/grad_norm", "actor/ratio_mean") if k in metrics},
     }
     if device.type == "cuda":
-        result["peak_mem_gib_warmup"] = warm_peak / 2**30
+        result["peak_mem_gib_warmup"] = measured["warm_peak"] / 2**30
         result["peak_mem_gib_timed"] = torch.cuda.max_memory_allocated(device) / 2**30
         result["reserved_mem_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
     else:

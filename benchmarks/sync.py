@@ -55,9 +55,10 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import warnings
+
+from sync_probe import Probe, RssGrowth
 
 # Qwen2 shapes (GQA, q/k/v biases), vocab 32000 so the embedding stays a moderate share.
 MODELS = {
@@ -148,154 +149,6 @@ def write_start_checkpoint(
     return params
 
 
-# ---- sender-side profile: wrap what DistributedWeightSync calls, in rank 0's process only -------------
-
-
-class Probe:
-    """Accumulates seconds per phase of a sync on the sender (several threads add to it)."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.reset()
-
-    def reset(self) -> None:
-        self.t: dict[str, float] = {}
-        self.bucket_sizes: list[int] = []
-
-    def add(self, key: str, seconds: float) -> None:
-        with self.lock:
-            self.t[key] = self.t.get(key, 0.0) + seconds
-
-    def get(self, key: str) -> float:
-        with self.lock:
-            return self.t.get(key, 0.0)
-
-    def timed(self, key: str, fn):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.add(key, time.perf_counter() - start)
-
-        return wrapper
-
-    def install(self) -> None:
-        """Patch the sync module's view of the world, once, in this process only: the exporter, ``dist``,
-        the funnel receive and the flatten."""
-        import rlsys.megatron.export as export
-        import rlsys.sync.distributed as sd
-        import rlsys.sync.turns as turns
-        from rlsys.sync.buckets import Bucket
-
-        probe = self
-        original_iter = sd.iter_hf_tensors
-
-        def timed_iter(*args, **kwargs):
-            it = original_iter(*args, **kwargs)
-            while True:
-                start = time.perf_counter()
-                try:
-                    item = next(it)
-                except StopIteration:
-                    probe.add("export", time.perf_counter() - start)
-                    return
-                probe.add("export", time.perf_counter() - start)
-                yield item
-
-        class TimedDist:
-            def __init__(self, real):
-                self._real = real
-                self.broadcast = probe.timed("broadcast", real.broadcast)
-
-            def __getattr__(self, name):
-                return getattr(self._real, name)
-
-        sd.iter_hf_tensors = timed_iter
-        # posting a parameter's receives and waiting for them (looked up at call time by iter_hf_tensors)
-        export._start_gather = self.timed("gather", export._start_gather)
-        export._done = self.timed("gather", export._done)
-        sd.dist = TimedDist(sd.dist)
-        turns.recv_bucket = self.timed("funnel_recv", turns.recv_bucket)
-        Bucket.flattened = self.timed("flatten", Bucket.flattened)  # in _hand_over, on the main thread
-
-    def attach(self, sync) -> None:
-        """Time one ``DistributedWeightSync``'s ``_hand_over`` and ``_broadcast`` (instance attributes)."""
-        probe = self
-        sync._hand_over = self.timed("hand_over", sync._hand_over)
-        original_broadcast = sync._broadcast
-
-        def broadcast_bucket(bucket, *args):
-            before = probe.get("broadcast")  # only this thread broadcasts
-            start = time.perf_counter()
-            try:
-                return original_broadcast(bucket, *args)
-            finally:
-                total = time.perf_counter() - start
-                probe.add("engine_reply", total - (probe.get("broadcast") - before))
-                with probe.lock:  # another stage's bucket (pp2): its announcement, its bytes from that stage
-                    probe.bucket_sizes.append(getattr(bucket, "bucket", bucket).nbytes)
-
-        sync._broadcast = broadcast_bucket
-
-    def client(self, client):
-        probe = self
-
-        class TimedClient:
-            def __getattr__(self, name):
-                attr = getattr(client, name)
-                if name in (
-                    "pause_generation",
-                    "flush_cache",
-                    "continue_generation",
-                    "begin_weight_update",
-                    "end_weight_update",
-                ):
-                    return probe.timed("control", attr)
-                return attr
-
-        return TimedClient()
-
-    def profile(self, seconds: float) -> dict:
-        p = {
-            k: self.get(k) for k in ("export", "gather", "hand_over", "flatten", "broadcast", "engine_reply", "control")
-        }
-        p["funnel_recv"] = self.get("funnel_recv")  # main thread, after its own buckets (PP)
-        p["wait_drain"] = max(0.0, seconds - p["export"] - p["hand_over"] - p["funnel_recv"] - p["control"])
-        p["sender_busy"] = p["broadcast"] + p["engine_reply"]
-        return p
-
-
-class RssGrowth:
-    """How far this process's resident memory rose above where it was when the block began (sampled every
-    10 ms): what a sync allocates on top of the model, its kept buffers included when it is the first."""
-
-    def __enter__(self):
-        self.start = self.peak = self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._rss())
-
-    @property
-    def gib(self) -> float:
-        return (self.peak - self.start) / 2**30
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.01):
-            self.peak = max(self.peak, self._rss())
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 # ---- the trainer ranks ---------------------------------------------------------------------------------
 
 
@@ -316,16 +169,12 @@ def _median(xs):
 def _trainer(
     hf_dir: str, layout: dict, senders: str, shards: str, url: str, dtype: str, args, work_dir: str, out_path: str
 ) -> None:
-    import torch
     import torch.distributed as dist
 
     from rlsys.architectures.hf_config import read_arch
-    from rlsys.architectures.hf_writer import ShardWriter, finalize
     from rlsys.config import ParallelConfig, RoleConfig
-    from rlsys.megatron.export import iter_hf_tensors
     from rlsys.megatron.topology import build_topology, destroy_topology
     from rlsys.rollout.client import EngineClient
-    from rlsys.sync.distributed import DistributedWeightSync
     from rlsys.worker.engine import MegatronEngine
 
     rank = dist.get_rank()
@@ -343,64 +192,80 @@ def _trainer(
     probe = Probe() if rank0 else None
     if rank0:
         probe.install()
-
     for bucket_mb in args.bucket_mb:
-        sync = DistributedWeightSync(
-            topo,
-            arch,
-            [probe.client(client)] if rank0 else [],
-            [1] if rank0 else [],
-            bucket_mb=bucket_mb,
-            load_format=args.load_format,
-            backend="gloo",
-            master_address="127.0.0.1",
-            timeout_s=args.timeout,
-            group_name=f"rlsys_bench_{bucket_mb:g}",
-            senders=senders,
-            shards=shards,
-        )
-        if rank0:
-            probe.attach(sync)
-            probe.reset()
-        with RssGrowth() as mem:
-            warm = sync.sync(model.chunks)  # creates the group with the engine; not timed
-        growth = [None] * dist.get_world_size()
-        dist.all_gather_object(growth, mem.gib)
-        sizes = [probe.bucket_sizes if rank0 else None]
-        dist.broadcast_object_list(sizes, src=0)
-        sizes = sizes[0]
-        buf = torch.empty(max(sizes), dtype=torch.uint8)
-        if rank0:
-            buf.random_(0, 255)
-        runs = dict(ours=[], raw=[], wire=[], profiles=[], warmup_s=warm.seconds)
-        runs.update(sync_mem_gib=growth, peak_buckets=warm.peak_buckets)
-        for _ in range(args.repeats):
-            dist.barrier()
-            if rank0:
-                probe.reset()
-            stats = sync.sync(model.chunks)
-            if rank0:
-                runs["ours"].append(dict(seconds=stats.seconds, bytes=stats.bytes, buckets=stats.buckets))
-                runs["profiles"].append(probe.profile(stats.seconds))
-            # (a) raw: trainer rank 0 -> trainer rank 1, same bucket sizes, fresh gloo group
-            dist.barrier()
-            t0 = time.perf_counter()
-            for n in sizes:
-                dist.broadcast(buf[:n], src=0, group=raw_group)
-            dist.barrier(group=raw_group)
-            runs["raw"].append(time.perf_counter() - t0)
-            # wire: the same buckets into the engine through its endpoint, nothing loaded
-            dist.barrier()
-            if rank0:
-                runs["wire"].append(_wire(sync, client, buf, sizes, args.timeout))
-        sync.disconnect()
+        runs = _measure(model, topo, arch, client, probe, raw_group, bucket_mb, senders, shards, args)
         results["buckets"][f"{bucket_mb:g}"] = runs if rank0 else None
+    results["naive"] = _naive(model, topo, arch, client, hf_dir, work_dir, args)
+    destroy_topology()
+    if rank0:
+        client.close()
+        with open(out_path, "w") as f:
+            json.dump(results, f)
 
-    # (b) naive: save safetensors shards on the writer ranks, reload them in the engine from disk
+
+def _measure(model, topo, arch, client, probe, raw_group, bucket_mb, senders, shards, args) -> dict:
+    """One bucket size: a warm-up sync (creates the group), then per repeat ours, raw and wire (module doc)."""
+    import torch
+    import torch.distributed as dist
+
+    from rlsys.sync.distributed import DistributedWeightSync
+
+    rank0 = dist.get_rank() == 0
+    sync = DistributedWeightSync(
+        topo, arch, [probe.client(client)] if rank0 else [], [1] if rank0 else [], bucket_mb=bucket_mb,
+        load_format=args.load_format, backend="gloo", master_address="127.0.0.1", timeout_s=args.timeout,
+        group_name=f"rlsys_bench_{bucket_mb:g}", senders=senders, shards=shards,
+    )  # fmt: skip
+    if rank0:
+        probe.attach(sync)
+        probe.reset()
+    with RssGrowth() as mem:
+        warm = sync.sync(model.chunks)  # creates the group with the engine; not timed
+    growth = [None] * dist.get_world_size()
+    dist.all_gather_object(growth, mem.gib)
+    sizes = [probe.bucket_sizes if rank0 else None]
+    dist.broadcast_object_list(sizes, src=0)
+    sizes = sizes[0]
+    buf = torch.empty(max(sizes), dtype=torch.uint8)
+    if rank0:
+        buf.random_(0, 255)
+    runs = dict(ours=[], raw=[], wire=[], profiles=[], warmup_s=warm.seconds)
+    runs.update(sync_mem_gib=growth, peak_buckets=warm.peak_buckets)
+    for _ in range(args.repeats):
+        dist.barrier()
+        if rank0:
+            probe.reset()
+        stats = sync.sync(model.chunks)
+        if rank0:
+            runs["ours"].append(dict(seconds=stats.seconds, bytes=stats.bytes, buckets=stats.buckets))
+            runs["profiles"].append(probe.profile(stats.seconds))
+        # (a) raw: trainer rank 0 -> trainer rank 1, same bucket sizes, fresh gloo group
+        dist.barrier()
+        t0 = time.perf_counter()
+        for n in sizes:
+            dist.broadcast(buf[:n], src=0, group=raw_group)
+        dist.barrier(group=raw_group)
+        runs["raw"].append(time.perf_counter() - t0)
+        # wire: the same buckets into the engine through its endpoint, nothing loaded
+        dist.barrier()
+        if rank0:
+            runs["wire"].append(_wire(sync, client, buf, sizes, args.timeout))
+    sync.disconnect()
+    return runs
+
+
+def _naive(model, topo, arch, client, hf_dir: str, work_dir: str, args) -> list[dict]:
+    """(b) naive: save safetensors shards on the writer ranks, reload them in the engine from disk."""
+    import torch.distributed as dist
+
+    from rlsys.architectures.hf_writer import ShardWriter, finalize
+    from rlsys.megatron.export import iter_hf_tensors
+
+    rank = dist.get_rank()
     naive = []
     for i in range(args.naive_repeats):
         out_dir = os.path.join(work_dir, f"naive{i}")
-        if rank0:
+        if rank == 0:
             os.makedirs(out_dir)
         dist.barrier()
         t0 = time.perf_counter()
@@ -409,7 +274,7 @@ def _trainer(
             writer.add(name, tensor)
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, (writer.close(), writer.bytes))
-        if rank0:
+        if rank == 0:
             total = sum(p[1] for p in parts)
             finalize(out_dir, [p[0] for p in parts], total)
             shutil.copy2(os.path.join(hf_dir, "config.json"), out_dir)
@@ -428,12 +293,7 @@ def _trainer(
             naive.append(dict(seconds=save_s + load_s, save_s=save_s, fsync_s=fsync_s, load_s=load_s, bytes=total))
             shutil.rmtree(out_dir)
         dist.barrier()
-    results["naive"] = naive
-    destroy_topology()
-    if rank0:
-        client.close()
-        with open(out_path, "w") as f:
-            json.dump(results, f)
+    return naive
 
 
 def _wire(sync, client, buf, sizes: list[int], timeout: float) -> float:
@@ -555,7 +415,7 @@ def print_tables(rows: list[dict]) -> None:
     )
 
 
-def main() -> int:
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="50m,200m,1b", help=f"comma list of {', '.join(MODELS)}")
     parser.add_argument("--layouts", default="tp2,tp2-gather,pp2,pp2-rank0", help=f"comma list of {', '.join(LAYOUTS)}")
@@ -597,10 +457,69 @@ def main() -> int:
         args.load_format = "per_bucket" if args.engine == "cpu" else "flattened_bucket"
     if args.repeats < 1 or args.naive_repeats < 0 or min(args.bucket_mb) <= 0:
         parser.error("--repeats must be >= 1, --naive-repeats >= 0 and --bucket-mb > 0")
+    return args, sizes, layouts
 
-    warnings.simplefilter("ignore")
+
+def run_size(size: str, layouts: list[str], args, tmp: str, rows: list) -> dict:
+    """One model size: its checkpoint and engine, then every layout's trainer ranks; rows appended to ``rows``,
+    returns the size's set-up facts."""
     from rlsys.local_ranks import run_on_ranks
     from rlsys.rollout.launch import launch_cpu_engine
+
+    dtype = MODELS[size]["dtype"]
+    hf_dir = os.path.join(tmp, f"hf-{size}")
+    t0 = time.perf_counter()
+    params = write_start_checkpoint(size, hf_dir)
+    ckpt_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if args.engine == "sglang":
+        proc, url = _launch_sglang(args.sglang_python, hf_dir, args.timeout, tmp)
+    else:
+        proc, url = launch_cpu_engine(hf_dir, dtype=ENGINE_DTYPES[dtype], timeout_s=args.timeout)
+    engine_s = time.perf_counter() - t0
+    print(
+        f"[{size}] {params / 1e6:.0f}M params {dtype}: checkpoint written in {ckpt_s:.1f}s, "
+        f"engine up in {engine_s:.1f}s",
+        flush=True,
+    )
+    setup = dict(params=params, checkpoint_s=ckpt_s, engine_start_s=engine_s, layouts={})
+    try:
+        for layout in layouts:
+            out = os.path.join(tmp, f"{size}-{layout}.json")
+            work = os.path.join(tmp, f"work-{size}-{layout}")
+            os.makedirs(work)
+            t0 = time.perf_counter()
+            run_on_ranks(_trainer, 2, "cpu", hf_dir, *LAYOUTS[layout], url, dtype, args, work, out)
+            with open(out) as f:
+                res = json.load(f)
+            setup["layouts"][layout] = dict(wall_s=time.perf_counter() - t0, build_s=res["build_s"])
+            for bucket_mb, runs in res["buckets"].items():
+                rows.append(summarize(size, params, layout, bucket_mb, runs, res["naive"]))
+                r = rows[-1]
+                print(
+                    f"[{size} {layout} bucket {bucket_mb} MiB] ours {r['ours_s']:.2f}s "
+                    f"({r['ours_gbps']:.2f} GB/s), raw {r['raw_gbps']:.2f} GB/s, "
+                    f"naive {r['naive_s'] or float('nan'):.2f}s "
+                    f"({time.perf_counter() - t0:.0f}s for this layout)",
+                    flush=True,
+                )
+    finally:
+        if args.engine == "sglang":
+            proc.stop()
+        else:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except Exception:
+                proc.kill()
+            with contextlib.suppress(OSError):
+                os.remove(proc.log_path)
+    return setup
+
+
+def main() -> int:
+    args, sizes, layouts = parse_args()
+    warnings.simplefilter("ignore")
 
     # SIGTERM unwinds like Ctrl-C, so the engine and temp dirs go in the finally blocks below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -608,54 +527,7 @@ def main() -> int:
     started, rows, setup = time.perf_counter(), [], {}
     with tempfile.TemporaryDirectory(prefix="rlsys-bench-sync-") as tmp:
         for size in sizes:
-            dtype = MODELS[size]["dtype"]
-            hf_dir = os.path.join(tmp, f"hf-{size}")
-            t0 = time.perf_counter()
-            params = write_start_checkpoint(size, hf_dir)
-            ckpt_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            if args.engine == "sglang":
-                proc, url = _launch_sglang(args.sglang_python, hf_dir, args.timeout, tmp)
-            else:
-                proc, url = launch_cpu_engine(hf_dir, dtype=ENGINE_DTYPES[dtype], timeout_s=args.timeout)
-            engine_s = time.perf_counter() - t0
-            print(
-                f"[{size}] {params / 1e6:.0f}M params {dtype}: checkpoint written in {ckpt_s:.1f}s, "
-                f"engine up in {engine_s:.1f}s",
-                flush=True,
-            )
-            setup[size] = dict(params=params, checkpoint_s=ckpt_s, engine_start_s=engine_s, layouts={})
-            try:
-                for layout in layouts:
-                    out = os.path.join(tmp, f"{size}-{layout}.json")
-                    work = os.path.join(tmp, f"work-{size}-{layout}")
-                    os.makedirs(work)
-                    t0 = time.perf_counter()
-                    run_on_ranks(_trainer, 2, "cpu", hf_dir, *LAYOUTS[layout], url, dtype, args, work, out)
-                    with open(out) as f:
-                        res = json.load(f)
-                    setup[size]["layouts"][layout] = dict(wall_s=time.perf_counter() - t0, build_s=res["build_s"])
-                    for bucket_mb, runs in res["buckets"].items():
-                        rows.append(summarize(size, params, layout, bucket_mb, runs, res["naive"]))
-                        r = rows[-1]
-                        print(
-                            f"[{size} {layout} bucket {bucket_mb} MiB] ours {r['ours_s']:.2f}s "
-                            f"({r['ours_gbps']:.2f} GB/s), raw {r['raw_gbps']:.2f} GB/s, "
-                            f"naive {r['naive_s'] or float('nan'):.2f}s "
-                            f"({time.perf_counter() - t0:.0f}s for this layout)",
-                            flush=True,
-                        )
-            finally:
-                if args.engine == "sglang":
-                    proc.stop()
-                else:
-                    proc.terminate()
-                    try:
-                        proc.wait(timeout=30)
-                    except Exception:
-                        proc.kill()
-                    with contextlib.suppress(OSError):
-                        os.remove(proc.log_path)
+            setup[size] = run_size(size, layouts, args, tmp, rows)
     runtime = time.perf_counter() - started
     print()
     print_tables(rows)
