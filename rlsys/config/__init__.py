@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from rlsys import typed_yaml
+from rlsys.config.resolve import releases_engine_memory, resolve
 from rlsys.config.rules import check_fields
 from rlsys.config.schema import (
     MOVED_KEYS,
@@ -53,7 +54,6 @@ from rlsys.config.schema import (
     TrainerConfig,
     ValueLossConfig,
     ValueObjective,
-    releases_engine_memory,
     response_tokens,
 )
 
@@ -126,4 +126,4 @@ def load_config(path: str | None, overrides: typing.Sequence[str] = ()) -> RunCo
     if cfg.model.path is None and cfg.model.hf_config is None:
         cfg.model.hf_config = copy.deepcopy(TINY_HF_CONFIG)
     check_fields(cfg)
-    return cfg
+    return resolve(cfg)  # every auto decided once (rlsys.config.resolve)

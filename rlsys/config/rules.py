@@ -9,13 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 from rlsys.config.registry import check_policy_loss, estimator_name, estimator_needs, policy_loss_name
+from rlsys.config.resolve import releases_engine_memory
 from rlsys.config.schema import (
     ROLES,
     AlgorithmConfig,
     RoleConfig,
     RolloutConfig,
     RunConfig,
-    releases_engine_memory,
     response_tokens,
 )
 from rlsys.errors import ConfigError

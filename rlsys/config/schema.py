@@ -448,14 +448,6 @@ class LoggingConfig:
     sample_max_chars: int = 400  # per printed prompt/response
 
 
-def releases_engine_memory(cfg) -> bool:
-    """``rollout.release_memory`` resolved (see its comment)."""
-    r = cfg.rollout
-    if r.release_memory is not None:
-        return r.release_memory
-    return cfg.cluster.colocate and not r.urls and cfg.cluster.device == "cuda"
-
-
 def response_tokens(cfg) -> int:
     """The longest response a sample can have: every turn of a multi-turn trajectory with its tool output,
     else one generation's ``max_new_tokens``."""

@@ -13,7 +13,6 @@ train            ``Replay`` (saved batches)   actor, ref, ...   ``NoSync``      
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from rlsys.algorithms import AdaptiveKLController, FixedKLController
 from rlsys.architectures.hf_config import read_arch
-from rlsys.config import RunConfig, config_to_dict, releases_engine_memory
+from rlsys.config import RunConfig, config_to_dict, dump_yaml
 from rlsys.controller.ahead import AheadRollout, pending_dir
 from rlsys.controller.checkpoints import Checkpoints, NoCheckpoints
 from rlsys.controller.colocation import Turns
@@ -34,7 +33,7 @@ from rlsys.controller.stream import StreamRollout
 from rlsys.controller.weights import EngineSync, NoSync
 from rlsys.data.prompts import PromptSource
 from rlsys.envs.registry import env_tools
-from rlsys.plan import build_plan, enabled_roles, model_arch, sync_load_format, sync_pause_mode, sync_transports
+from rlsys.plan import build_plan, enabled_roles, model_arch, sync_transports
 from rlsys.rollout.agent import AgentDriver, agent_function
 from rlsys.rollout.batch import EngineRollout
 from rlsys.rollout.launch import start_engines
@@ -118,6 +117,7 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
     if cfg.rollout.urls and replay is None:
         EnginePool.attach(cfg.rollout.urls, api_key=cfg.rollout.api_key).close()  # refused or foreign: fail now
     os.makedirs(out_dir, exist_ok=True)  # only now: bad data, model, reward or engine input writes nothing
+    write_resolved(cfg, out_dir)
     model_dir = prepare_model_dir(cfg.model, out_dir, prompts.tokenizer, cfg.trainer.seed)
     placement = None
     if use_ray:  # one placement group: every rank and engine on its device (rlsys.controller.placement)
@@ -133,7 +133,7 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
         nonlocal engines, source
         if replay is None:
             engines, source = _engine_source(cfg, mode, model_dir, placement, prompts, rewards, closers)
-            turns.set_engines(engines, releases_engine_memory(cfg) and mode != "rollout")
+            turns.set_engines(engines, cfg.rollout.release_memory and mode != "rollout")
 
     # colocated: the engines give their memory back before any role is built (rlsys.plan.phases)
     with turns.phase("start-up", start=start_engines):
@@ -155,7 +155,7 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
         actor.setup_sync(
             engines.urls,
             [cfg.rollout.tp] * len(engines.urls),
-            dataclasses.replace(cfg.rollout.sync, load_format=sync_load_format(cfg), pause_mode=sync_pause_mode(cfg)),
+            cfg.rollout.sync,  # resolved (rlsys.config.resolve): no auto reaches the ranks
             cfg.cluster.device,
             cfg.rollout.weight_dtype,
             engines.api_key,
@@ -176,6 +176,15 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
         cfg, prompts, source, roles, turns, weights, checkpoints, kl, logger, progress, start, last_step,
         closers, moe_shape=(arch.num_layers, arch.moe_top_k) if arch else None,
     )  # fmt: skip
+
+
+def write_resolved(cfg: RunConfig, out_dir: str) -> None:
+    """``out_dir/resolved.yaml``: the config as this run uses it, every auto decided (``rlsys.config.resolve``);
+    ``rlsys train out_dir/resolved.yaml`` runs the same. Written whole or not at all."""
+    path = os.path.join(out_dir, "resolved.yaml")
+    with open(path + ".tmp", "w") as f:
+        f.write(dump_yaml(cfg))
+    os.replace(path + ".tmp", path)
 
 
 def _take_up(state: dict | None, prompts, kl: KLController, source: BatchSource) -> int:
@@ -201,7 +210,7 @@ def _engine_source(cfg: RunConfig, mode: str, model_dir: str, placement, prompts
         f"{out_dir}/logs",
         placement=placement,
         device=cfg.cluster.device,
-        memory_saver=releases_engine_memory(cfg),
+        memory_saver=cfg.rollout.release_memory,
         routed_experts=cfg.algorithm.router_replay == "R3",
         overlap=mode == "full" and cfg.trainer.async_mode != "sync",
     )

@@ -8,6 +8,7 @@ Devices are numbered globally: device d is local device ``d % devices_per_node``
 from __future__ import annotations
 
 from rlsys.config import ROLES, RunConfig, response_tokens
+from rlsys.config.resolve import sync_load_format, sync_pause_mode  # noqa: F401 (rlsys.plan re-exports them)
 from rlsys.errors import ConfigError
 from rlsys.ipc_allocator import refuse_expandable_segments
 
@@ -100,28 +101,3 @@ def _transports(cfg: RunConfig) -> list[str]:
     if not cfg.cluster.colocate or cfg.cluster.device == "cpu":
         return ["broadcast"] * r.num_engines
     return ["tensor" if local else "broadcast" for local in first_node]
-
-
-def sync_load_format(cfg: RunConfig) -> str:
-    """``rollout.sync.load_format`` resolved. ``auto``: ``per_bucket`` into rlsys's CPU engine, which receives
-    each tensor of a per-tensor bucket straight into its parameter (no receive buffer, no copy after; 200M fp32
-    at TP2 on 2 cores: 1.37 GB/s against 1.17 flattened, and 0.5 GiB less on rank 0) and a bucket of small
-    tensors in one broadcast (a 4.7M-parameter model's 74 tensors: 35 ms per tensor, 15 ms flattened);
-    ``flattened_bucket`` into SGLang (one broadcast per bucket, SGLang's fastest)."""
-    fmt = cfg.rollout.sync.load_format
-    if fmt != "auto":
-        return fmt
-    return "per_bucket" if cfg.rollout.engine == "cpu" else "flattened_bucket"
-
-
-def sync_pause_mode(cfg: RunConfig) -> str:
-    """``rollout.sync.pause_mode`` resolved. ``auto``: ``retract`` where a fully asynchronous run continues
-    its requests across a sync (``trainer.fully_async.partial_rollout: continue``): they give back their KV
-    cache and recompute it on the new weights, so the engines' prefix cache can be flushed (``in_place`` keeps
-    the parked requests' cache, which forbids the flush: SGLang's radix cache would go on serving prefixes
-    computed with older weights); else ``abort`` (nothing is in flight at a sync of the other modes)."""
-    mode = cfg.rollout.sync.pause_mode
-    if mode != "auto":
-        return mode
-    t = cfg.trainer
-    return "retract" if t.async_mode == "fully_async" and t.fully_async.partial_rollout == "continue" else "abort"

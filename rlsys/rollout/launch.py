@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rlsys import fork_server
+from rlsys.config.resolve import engine_dtype
 from rlsys.local_ranks import free_port, node_address
 from rlsys.rollout.pool import EnginePool
 from rlsys.rollout.process import ServerProcess
@@ -314,14 +315,6 @@ def sglang_router(
 
 
 # ------------------------------------------------------------ engines of a run
-
-
-def engine_dtype(cfg: RolloutConfig, model_dtype: str, device: str) -> str:
-    """``rollout.dtype``; ``auto`` serves the trainer's dtype on GPU and bf16 on SGLang's CPU backend (its
-    kernels are bf16)."""
-    if cfg.dtype != "auto":
-        return cfg.dtype
-    return "bf16" if device == "cpu" and cfg.engine == "sglang" else model_dtype
 
 
 def _engine_command(

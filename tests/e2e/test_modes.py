@@ -112,6 +112,8 @@ def test_an_algorithm_from_outside_rlsys_trains(tmp_path, monkeypatch):
         assert m["advantage/custom_calls"] == 1.0  # the estimator's own metric: it ran on the controller
         assert m["actor/custom_marker"] == 1.0  # the loss's declared metric, reduced on the rank: it ran there
         assert m["actor/grad_norm"] > 0
+    resolved = (tmp_path / "custom" / "resolved.yaml").read_text()  # the run keeps what it used
+    assert "estimator: custom_algorithm:centered" in resolved and "policy_loss: custom_algorithm:unclipped" in resolved
     with pytest.raises(ConfigError, match="algorithm.loss.policy_loss.*has no function 'missing'"):
         run(tmp_path, "bad", 1, "algorithm.loss.policy_loss=custom_algorithm:missing")
 

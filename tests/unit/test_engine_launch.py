@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from rlsys.config import load_config, releases_engine_memory
+from rlsys.config import RolloutConfig, load_config, releases_engine_memory
 from rlsys.errors import ConfigError
 from rlsys.local_ranks import cpu_flags, node_address
 from rlsys.plan import sync_transports
@@ -193,11 +193,11 @@ def test_cpu_sglang_command_carries_its_environment(tmp_path):
 
 
 def test_served_dtype():
-    cfg = load_config(None, ["rollout.engine=sglang"])
-    assert engine_dtype(cfg.rollout, "fp32", "cuda") == "fp32"
-    assert engine_dtype(cfg.rollout, "fp32", "cpu") == "bf16"  # SGLang's CPU kernels
-    cfg = load_config(None, ["rollout.dtype=fp16"])
-    assert engine_dtype(cfg.rollout, "bf16", "cuda") == "fp16"
+    auto = RolloutConfig(engine="sglang")  # as written, before load_config resolves it
+    assert engine_dtype(auto, "fp32", "cuda") == "fp32"
+    assert engine_dtype(auto, "fp32", "cpu") == "bf16"  # SGLang's CPU kernels
+    assert engine_dtype(RolloutConfig(dtype="fp16"), "bf16", "cuda") == "fp16"
+    assert load_config(None, ["rollout.engine=sglang", "cluster.device=cpu"]).rollout.dtype == "bf16"  # resolved
 
 
 def test_engine_memory_release_default():

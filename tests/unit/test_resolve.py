@@ -1,0 +1,66 @@
+"""One resolve step (``rlsys.config.resolve``): ``load_config`` decides every key of ``RESOLVED_KEYS`` from the
+config and keeps what the user gave; the resolved tree loads back to itself; ``rlsys plan`` and the run show it."""
+
+import dataclasses
+
+import pytest
+
+from rlsys.cli import main
+from rlsys.config import config_to_dict, dump_yaml, load_config
+from rlsys.config.resolve import RESOLVED_KEYS
+from rlsys.controller.run import write_resolved
+
+
+def _get(cfg, key):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "config, overrides, expected",
+    [
+        (
+            "configs/tiny-cpu-grpo.yaml",
+            [],
+            [False, "fp32", "gloo", "per_bucket", "abort", "grpo", "ppo_clip"],
+        ),
+        (
+            "configs/qwen3-8b-dapo.yaml",
+            [],
+            [True, "bf16", "nccl", "flattened_bucket", "abort", "grpo", "ppo_clip"],
+        ),
+        (  # fully-async partial rollouts that continue across a sync: retract; SGLang on CPU serves bf16
+            "configs/tiny-cpu-fully-async-grpo.yaml",
+            ["trainer.fully_async.partial_rollout=continue", "rollout.engine=sglang"],
+            [False, "bf16", "gloo", "flattened_bucket", "retract", "grpo", "ppo_clip"],
+        ),
+        (  # what the user gave is kept
+            "configs/qwen3-8b-dapo.yaml",
+            ["rollout.release_memory=false", "rollout.sync.load_format=per_tensor", "algorithm.loss.policy_loss=gspo",
+             "rollout.dtype=fp16", "rollout.sync.pause_mode=abort", "actor.offload=false"],
+            [False, "fp16", "nccl", "per_tensor", "abort", "grpo", "gspo"],
+        ),  # fmt: skip
+    ],
+)
+def test_every_auto_is_decided_by_load_config(config, overrides, expected):
+    cfg = load_config(config, overrides)
+    assert [_get(cfg, k) for k in RESOLVED_KEYS] == expected
+
+
+def test_the_resolved_tree_loads_back_to_itself(tmp_path):
+    cfg = load_config("configs/qwen3-30b-a3b-grpo.yaml", [f"trainer.output_dir={tmp_path}"])
+    write_resolved(cfg, str(tmp_path))
+    again = load_config(str(tmp_path / "resolved.yaml"))
+    assert config_to_dict(again) == config_to_dict(cfg)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_rlsys_plan_prints_the_decided_values(capsys):
+    assert main(["plan", "configs/qwen3-8b-dapo.yaml"]) == 0
+    out = capsys.readouterr().out
+    resolved = out.split("# resolved config", 1)[1]
+    for line in ("release_memory: true", "load_format: flattened_bucket", "estimator: grpo", "policy_loss: ppo_clip"):
+        assert line in resolved, line
+    cfg = load_config("configs/qwen3-8b-dapo.yaml")
+    assert dump_yaml(cfg) in out and dataclasses.is_dataclass(cfg)
