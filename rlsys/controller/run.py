@@ -28,7 +28,7 @@ from rlsys.controller.group import RoleGroup
 from rlsys.controller.placement import Placement
 from rlsys.controller.replay import Replay, rollout_dir
 from rlsys.controller.seams import BatchSource, CheckpointStore, EngineUpdates, KLController
-from rlsys.controller.setup import prepare_model_dir, role_spec, start_ray
+from rlsys.controller.setup import check_machine, prepare_model_dir, role_spec, start_ray
 from rlsys.controller.stream import StreamRollout
 from rlsys.controller.weights import EngineSync, NoSync
 from rlsys.data.prompts import PromptSource
@@ -106,6 +106,7 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
     from rlsys.telemetry.progress import ProgressReporter
 
     build_plan(cfg, model_arch(cfg.model))  # every check rlsys plan makes, memory fit included, before any start
+    check_machine(cfg, use_ray)  # a writable output directory, and CUDA devices where the run needs them here
     out_dir = cfg.trainer.output_dir
     replay = Replay(replay_dir or rollout_dir(out_dir)) if mode == "train" else None
     env = cfg.rollout.multi_turn

@@ -6,10 +6,40 @@ import logging
 import os
 
 from rlsys.config import ClusterConfig, ModelConfig, PolicyObjective, RunConfig, ValueObjective
+from rlsys.errors import ConfigError
 from rlsys.plan import role_world_sizes
 from rlsys.rollout.launch import engine_threads
 from rlsys.telemetry.noise import verbose
 from rlsys.worker.spec import RoleSpec
+
+
+def check_machine(cfg, use_ray: bool) -> None:
+    """What this machine must offer before anything starts: an output directory that can be written, and CUDA
+    devices for a CUDA run that does not go to a Ray cluster (``cluster.ray_address``). ``ConfigError``
+    naming the key and the fix otherwise; nothing is written here."""
+    out = os.path.abspath(cfg.trainer.output_dir)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError("trainer.output_dir", f"{out} is a file, not a directory: name another output directory")
+    existing = out
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError("trainer.output_dir", f"{out} cannot be created: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError("trainer.output_dir", f"{out} cannot be created: {existing} is not writable")
+    if cfg.cluster.device != "cuda" or cfg.cluster.ray_address:
+        return
+    import torch
+
+    have = torch.cuda.device_count()
+    need = cfg.cluster.devices_per_node if use_ray else 1
+    if have < need:
+        raise ConfigError(
+            "cluster.device",
+            f"'cuda' with {need} device(s) per node, but this machine has {have} CUDA device(s) and no "
+            "cluster.ray_address to run on: use a CPU config (configs/tiny-cpu-grpo.yaml, or cluster.device=cpu) "
+            "or set cluster.ray_address to a Ray cluster with GPUs",
+        )
 
 
 def start_ray(cluster: ClusterConfig) -> None:

@@ -222,3 +222,49 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(files, tmp_path, capsys
     for fragment in fragments:
         assert fragment in err, (fragment, err)
     assert not out.exists(), f"{case} wrote {sorted(os.listdir(out))}"
+
+
+def _refused(argv, capsys) -> str:
+    code = main([*argv, "--no-ray"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.startswith("error:") and "\n" not in err, err
+    return err
+
+
+def test_an_output_directory_that_cannot_be_written_is_refused_before_anything(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine")
+    err = _refused(["train", CONFIG, *ONE_RANK, f"trainer.output_dir={a_file}"], capsys)
+    assert "trainer.output_dir" in err and "is a file, not a directory" in err
+    err = _refused(["train", CONFIG, *ONE_RANK, f"trainer.output_dir={a_file}/run"], capsys)
+    assert "cannot be created" in err and str(a_file) in err
+    assert a_file.read_text() == "mine"
+
+
+def test_an_output_directory_under_a_read_only_one_is_refused(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if os.access(locked, os.W_OK):  # root ignores the mode bits
+        pytest.skip("running as root: a read-only directory is still writable")
+    err = _refused(["train", CONFIG, *ONE_RANK, f"trainer.output_dir={locked}/run"], capsys)
+    assert "is not writable" in err and not (locked / "run").exists()
+
+
+def test_a_cuda_run_on_a_machine_without_cuda_is_refused_before_ray(tmp_path, capsys, monkeypatch):
+    """An empty config is the 8-GPU default: here it is refused at once, before Ray starts and before the
+    initial model is written into the output directory."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # this machine, whatever the test host has
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    out = tmp_path / "out"
+    err = _refused(["train", str(empty), f"trainer.output_dir={out}"], capsys)
+    assert "cluster.device" in err and "0 CUDA device(s)" in err and "configs/tiny-cpu-grpo.yaml" in err
+    assert not out.exists()
+    # a Ray cluster elsewhere may have the GPUs this machine lacks: not refused for that
+    from rlsys.config import load_config
+    from rlsys.controller.setup import check_machine
+
+    check_machine(load_config(str(empty), [f"trainer.output_dir={out}", "cluster.ray_address=auto"]), True)
