@@ -51,6 +51,18 @@ class HFCheckpoint:
     def names(self) -> list[str]:
         return sorted(self._files)
 
+    def check(self) -> None:
+        """Every shard opens (its header is whole and its tensors lie inside the file) and holds the tensors the
+        index gives it: a truncated download fails here, before a run starts, not inside a rank."""
+        wanted: dict[str, set[str]] = {}
+        for name, path in self._files.items():
+            wanted.setdefault(path, set()).add(name)
+        for path, names in wanted.items():
+            with _open(path) as f:
+                missing = sorted(names - set(f.keys()))
+            if missing:
+                raise CheckpointError(f"'{path}' lacks {len(missing)} tensor(s) its index names, e.g. '{missing[0]}'")
+
     def __contains__(self, name: str) -> bool:
         return name in self._files
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rlsys.algorithms import AdaptiveKLController, FixedKLController
+from rlsys.architectures.hf_checkpoint import HFCheckpoint
 from rlsys.architectures.hf_config import read_arch
 from rlsys.config import RunConfig, config_to_dict, dump_yaml
 from rlsys.controller.ahead import AheadRollout, pending_dir
@@ -107,6 +108,8 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
 
     build_plan(cfg, model_arch(cfg.model))  # every check rlsys plan makes, memory fit included, before any start
     check_machine(cfg, use_ray)  # a writable output directory, and CUDA devices where the run needs them here
+    if cfg.model.path:
+        HFCheckpoint(cfg.model.path).check()  # a damaged download fails now, not inside a rank or an engine
     out_dir = cfg.trainer.output_dir
     replay = Replay(replay_dir or rollout_dir(out_dir)) if mode == "train" else None
     env = cfg.rollout.multi_turn

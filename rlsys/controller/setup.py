@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 from rlsys.config import ClusterConfig, ModelConfig, PolicyObjective, RunConfig, ValueObjective
 from rlsys.errors import ConfigError
@@ -27,6 +28,13 @@ def check_machine(cfg, use_ray: bool) -> None:
         raise ConfigError("trainer.output_dir", f"{out} cannot be created: {existing} is a file")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError("trainer.output_dir", f"{out} cannot be created: {existing} is not writable")
+    r = cfg.rollout
+    if r.engine == "sglang" and not r.urls and not cfg.cluster.ray_address and shutil.which(r.sglang_python) is None:
+        raise ConfigError(
+            "rollout.sglang_python",
+            f"{r.sglang_python!r} is not an executable here: point it at the python of SGLang's environment "
+            "(on CPU, tests/sglang/setup_sglang_cpu.sh builds .sglang_cpu/bin/python), or use rollout.engine: cpu",
+        )
     if cfg.cluster.device != "cuda" or cfg.cluster.ray_address:
         return
     import torch

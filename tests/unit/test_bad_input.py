@@ -20,6 +20,10 @@ def files(tmp_path_factory):
     f["model"] = make_tiny_hf_checkpoint("llama", str(root / "model"))
     save_word_tokenizer(f["model"])
     f["no_tokenizer"] = make_tiny_hf_checkpoint("llama", str(root / "no_tokenizer"))
+    f["truncated"] = make_tiny_hf_checkpoint("llama", str(root / "truncated"))
+    save_word_tokenizer(f["truncated"])
+    weights = root / "truncated" / "model-00003-of-00005.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])  # an interrupted download
     for name, content in {
         "no_config": None,
         "bad_config": "{not json",
@@ -122,6 +126,18 @@ CASES = [
         ["model.path", "tokenizer"],
     ),  # fmt: skip
     ("hf_config and path", None, lambda f: [f"model.path={f['model']}"], ["exactly one of model.path"]),
+    (
+        "truncated weights",
+        None,
+        lambda f: data(f, "good.jsonl", f"model.path={f['truncated']}"),
+        ["model-00003-of-00005.safetensors", "not a readable safetensors file", "re-download"],
+    ),  # fmt: skip
+    (
+        "no SGLang interpreter",
+        None,
+        lambda f: ["rollout.engine=sglang", "rollout.sglang_python=/nonexistent/bin/python"],
+        ["rollout.sglang_python", "/nonexistent/bin/python", "setup_sglang_cpu.sh"],
+    ),
     # rewards
     ("reward unknown", None, lambda f: ["reward.name=nosuch"], ["reward.name", "choose one of"]),
     (
