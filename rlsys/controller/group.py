@@ -84,9 +84,12 @@ class RoleGroup:
             return ray.get(refs)
         return [getattr(w, method)(*a) for w, a in zip(self.ranks, args)]
 
-    def _per_sample(self, method: str, batch: TrainBatch, *extra) -> dict[str, list]:
+    def per_sample(self, op: str, batch: TrainBatch, *extra) -> dict[str, list]:
+        """The worker's ``op`` on each data-parallel rank's share of ``batch`` (every TP/PP/CP rank of a replica
+        gets the same share); its per-sample results back in batch order. A new per-sample operation (teacher
+        log-probs, a reward model's scores) is a worker method called through here."""
         shards = dp_shards(batch.lengths, self.dp)
-        results = self._all(method, *[(batch.select(shards[i["dp_rank"]]), *extra) for i in self.infos])
+        results = self._all("call", *[(op, batch.select(shards[i["dp_rank"]]), *extra) for i in self.infos])
         return self._merge(shards, results, len(batch))
 
     def _merge(self, shards: list[list[int]], results: list, total: int) -> dict[str, list]:
@@ -98,18 +101,18 @@ class RoleGroup:
     # -- role operations --------------------------------------------------------------------------
 
     def compute_logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> dict[str, list]:
-        return self._per_sample("compute_logprobs", batch, with_entropy)
+        return self.per_sample("compute_logprobs", batch, with_entropy)
 
     def compute_values(self, batch: TrainBatch) -> dict[str, list]:
-        return self._per_sample("compute_values", batch)
+        return self.per_sample("compute_values", batch)
 
     def update(self, batch: TrainBatch, mini_batches: int) -> dict[str, float]:
         shards = dp_shards(batch.lengths, self.dp, mini_batches)
-        return self._all("update", *[(batch.select(shards[i["dp_rank"]]),) for i in self.infos])[0]
+        return self._all("call", *[("update", batch.select(shards[i["dp_rank"]])) for i in self.infos])[0]
 
     def last_logprobs(self, batch: TrainBatch) -> dict[str, list]:
         """The old-policy log-probs and entropy an on-policy ``update`` of ``batch`` (no ``old_logp``) computed."""
-        return self._merge(dp_shards(batch.lengths, self.dp), self._all("last_logprobs"), len(batch))
+        return self._merge(dp_shards(batch.lengths, self.dp), self._all("call", same=("last_logprobs",)), len(batch))
 
     def setup_sync(self, urls, engine_tp, sync_cfg, device, weight_dtype="auto", api_key=None, transports=None):
         self._all("setup_sync", same=(urls, engine_tp, sync_cfg, device, weight_dtype, api_key, transports))

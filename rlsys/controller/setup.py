@@ -62,9 +62,10 @@ def start_ray(cluster: ClusterConfig) -> None:
     if cluster.ray_address:
         ray.init(address=cluster.ray_address, **quiet)
     else:
-        # a CPU run reserves devices_per_node CPUs for its ranks and engines, even on a smaller machine
+        # a CPU run reserves devices_per_node CPUs for its ranks and engines, even on a smaller machine;
+        # "local": a new instance even where another one runs (Ray would join the last `ray start`, or RAY_ADDRESS)
         cpus = max(os.cpu_count() or 1, cluster.devices_per_node)
-        ray.init(num_cpus=cpus, include_dashboard=False, **quiet)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, **quiet)
 
 
 def prepare_model_dir(model: ModelConfig, out_dir: str, tokenizer, seed: int) -> str:

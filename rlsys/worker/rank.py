@@ -75,17 +75,11 @@ class RankWorker:
 
     # -- model work ---------------------------------------------------------------------------
 
-    def compute_logprobs(self, batch, with_entropy: bool = False):
-        return self.worker.compute_logprobs(batch, with_entropy)
-
-    def compute_values(self, batch):
-        return self.worker.compute_values(batch)
-
-    def update(self, batch) -> dict:
-        return self.worker.update(batch)
-
-    def last_logprobs(self):
-        return self.worker.last_logprobs()
+    def call(self, op: str, *args):
+        """The worker's ``op`` (``compute_logprobs``, ``compute_values``, ``update``, ``last_logprobs``, or any
+        method a new worker adds): model work reaches the worker by name, so a new role operation is a worker
+        method and its dispatch in ``RoleGroup``, with nothing to add here."""
+        return getattr(self.worker, op)(*args)
 
     def offload(self, what=None) -> dict:
         """``what``: categories of ``rlsys.worker.offload`` (None: all)."""
