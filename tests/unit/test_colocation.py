@@ -270,6 +270,15 @@ def recorded_run(tmp_path, monkeypatch, *overrides):
     return run, log
 
 
+# a sync: the actor's weights alone on its devices, the engines' weights back, the buckets, then their cache
+SYNC = [
+    "actor.offload grads+optimizer", "actor.onload params",
+    "engine0.resume weights", "engine1.resume weights",
+    "actor.sync",
+    "actor.offload params",
+    "engine0.resume kv_cache+cuda_graph", "engine1.resume kv_cache+cuda_graph",
+    "engine0.continue", "engine1.continue",
+]  # fmt: skip
 RELEASED = ["actor.offload=true", "critic.offload=true", "ref.offload=true", "rollout.release_memory=true"]
 
 
@@ -284,13 +293,7 @@ def test_start_up_releases_the_engines_before_any_role_is_built_and_syncs_from_t
         "actor.build", "actor.offload",  # each offloaded role leaves before the next one is built
         "critic.build", "critic.offload",
         "ref.build", "ref.offload",
-        "actor.offload grads+optimizer",  # the first sync, from the weights alone
-        "actor.onload params",
-        "engine0.resume weights", "engine1.resume weights",
-        "actor.sync",
-        "actor.offload params",
-        "engine0.resume kv_cache+cuda_graph", "engine1.resume kv_cache+cuda_graph",
-        "engine0.continue", "engine1.continue",
+        *SYNC,  # the first sync, from the weights alone
     ]  # fmt: skip
 
 
@@ -325,12 +328,7 @@ def test_a_step_trains_saves_and_syncs_while_the_engines_hold_no_kv_cache(tmp_pa
         "critic.onload", "critic.update", "critic.offload",
         "actor.update",
         "critic.onload", "critic.save", "actor.save", "critic.offload",  # the save, still in the released window
-        "actor.offload grads+optimizer", "actor.onload params",  # the sync, from the weights alone
-        "engine0.resume weights", "engine1.resume weights",
-        "actor.sync",
-        "actor.offload params",
-        "engine0.resume kv_cache+cuda_graph", "engine1.resume kv_cache+cuda_graph",
-        "engine0.continue", "engine1.continue",
+        *SYNC,  # the sync, from the weights alone
     ]  # fmt: skip
 
 

@@ -37,8 +37,14 @@ def _get(cfg, key):
         ),
         (  # what the user gave is kept
             "configs/qwen3-8b-dapo.yaml",
-            ["rollout.release_memory=false", "rollout.sync.load_format=per_tensor", "algorithm.loss.policy_loss=gspo",
-             "rollout.dtype=fp16", "rollout.sync.pause_mode=abort", "actor.offload=false"],
+            [
+                "rollout.release_memory=false",
+                "rollout.sync.load_format=per_tensor",
+                "algorithm.loss.policy_loss=gspo",
+                "rollout.dtype=fp16",
+                "rollout.sync.pause_mode=abort",
+                "actor.offload=false",
+            ],
             [False, "fp16", "nccl", "per_tensor", "abort", "grpo", "gspo"],
         ),  # fmt: skip
     ],
