@@ -214,10 +214,12 @@ class _Walk:
                 transient = {f"{n} activations+logits": rp.memory.activations + _logits(self.cfg, rp, self.arch)}
                 self._note(phase, {d.label: transient for d in self.devices if n in d.roles})
                 self.resident[n] = saved
-        elif m.change == "send" and self.has_engines and "actor" in self.roles:
+        elif m.change == "send" and (self.has_engines or self.cfg.rollout.urls) and "actor" in self.roles:
             sender = {"send buckets": 2 * self.bucket, "IPC copies": self.consumers * self.bucket}
-            # a broadcast lands in a bucket the engine allocates; update_weights_from_tensor reads the sender's
-            received = {"receive bucket": self.bucket + self._parts_bucket() if not self.consumers else 0.0}
+            # a broadcast lands in a bucket the engine allocates; update_weights_from_tensor reads the sender's;
+            # attached engines (rollout.urls) receive on devices this plan does not know
+            received = self.bucket + self._parts_bucket() if self.has_engines and not self.consumers else 0.0
+            received = {"receive bucket": received}
             if self.cfg.cluster.colocate:
                 self._note(phase, {"device": {**sender, **received}})
             else:
