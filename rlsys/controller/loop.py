@@ -13,6 +13,7 @@ from rlsys.config.registry import estimator_name
 from rlsys.controller.metrics import Timer, check_updates, sample_rows, step_metrics
 from rlsys.controller.replay import rollout_dir, save_rollout
 from rlsys.controller.run import Run, build_run
+from rlsys.errors import TrainingDiverged
 from rlsys.rollout.batch import RolloutBatch, loss_masks, response_tensors
 from rlsys.worker.batch import TrainBatch, pad_rows, unpad_rows
 from rlsys.worker.router_replay import engine_routing, update_routing
@@ -61,7 +62,11 @@ def step(run: Run, n: int, consume) -> dict:
         with turns.phase("training"):  # colocated: the engines paused and released, the actor on its devices
             learned = consume(run, n, rolled, t)
         run.kl.update(learned.get("actor/kl", 0.0), len(rolled.samples))
-        check_updates(run.bad_steps, run.cfg.trainer.max_bad_steps, n, learned)  # NaN gradients: stop after K
+        try:  # NaN gradients: skipped; after K steps in a row the run stops, before this step is saved
+            check_updates(run.bad_steps, run.cfg.trainer.max_bad_steps, n, learned)
+        except TrainingDiverged:
+            run.logger.log(n, {"step": n, **learned})  # the step that stopped the run stays on record
+            raise
         if run.checkpoints.due(n, run.last_step):
             with turns.phase("save"):  # before the engines take memory back, the actor still on its devices
                 extra = {"prompts": run.prompts.state_dict(), "kl_coef": run.kl.beta}

@@ -22,6 +22,7 @@ from rlsys.algorithms import AdaptiveKLController, FixedKLController
 from rlsys.architectures.hf_checkpoint import HFCheckpoint
 from rlsys.architectures.hf_config import read_arch
 from rlsys.config import RunConfig, config_to_dict, dump_yaml
+from rlsys.config.resolve import resolve
 from rlsys.controller.ahead import AheadRollout, pending_dir
 from rlsys.controller.checkpoints import Checkpoints, NoCheckpoints
 from rlsys.controller.colocation import Turns
@@ -93,6 +94,7 @@ def build_run(cfg: RunConfig, mode: str = "full", replay_dir: str | None = None,
     """Start what ``mode`` needs (see the module docstring) and resume from the latest checkpoint."""
     if mode not in MODES:
         raise ValueError(f"mode must be 'full', 'rollout' or 'train', got {mode!r}")
+    cfg = resolve(cfg)  # load_config did; a config built or edited in code is decided here (the same values)
     closers: list = []
     try:
         return _build(cfg, mode, replay_dir, use_ray, closers)
@@ -107,7 +109,7 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
     from rlsys.telemetry.progress import ProgressReporter
 
     build_plan(cfg, model_arch(cfg.model))  # every check rlsys plan makes, memory fit included, before any start
-    check_machine(cfg, use_ray)  # a writable output directory, and CUDA devices where the run needs them here
+    check_machine(cfg, use_ray, mode)  # a writable output directory, and CUDA devices where the run needs them here
     if cfg.model.path:
         HFCheckpoint(cfg.model.path).check()  # a damaged download fails now, not inside a rank or an engine
     out_dir = cfg.trainer.output_dir

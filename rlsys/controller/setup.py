@@ -14,10 +14,11 @@ from rlsys.telemetry.noise import verbose
 from rlsys.worker.spec import RoleSpec
 
 
-def check_machine(cfg, use_ray: bool) -> None:
-    """What this machine must offer before anything starts: an output directory that can be written, and CUDA
-    devices for a CUDA run that does not go to a Ray cluster (``cluster.ray_address``). ``ConfigError``
-    naming the key and the fix otherwise; nothing is written here."""
+def check_machine(cfg, use_ray: bool, mode: str = "full") -> None:
+    """What this machine must offer before anything starts, for ``mode`` (``rlsys.controller.run.MODES``): an
+    output directory that can be written, SGLang's interpreter where engines start here, and CUDA devices for a
+    CUDA run that does not go to a Ray cluster (``cluster.ray_address``). ``ConfigError`` naming the key and the
+    fix otherwise; nothing is written here."""
     out = os.path.abspath(cfg.trainer.output_dir)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError("trainer.output_dir", f"{out} is a file, not a directory: name another output directory")
@@ -28,15 +29,16 @@ def check_machine(cfg, use_ray: bool) -> None:
         raise ConfigError("trainer.output_dir", f"{out} cannot be created: {existing} is a file")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError("trainer.output_dir", f"{out} cannot be created: {existing} is not writable")
-    r = cfg.rollout
-    if r.engine == "sglang" and not r.urls and not cfg.cluster.ray_address and shutil.which(r.sglang_python) is None:
+    r, elsewhere = cfg.rollout, cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS")  # a Ray cluster's nodes
+    launches = mode != "train" and not r.urls and not elsewhere  # engines start on this machine
+    if launches and r.engine == "sglang" and shutil.which(r.sglang_python) is None:
         raise ConfigError(
             "rollout.sglang_python",
             f"{r.sglang_python!r} is not an executable here: point it at the python of SGLang's environment "
             "(on CPU, tests/sglang/setup_sglang_cpu.sh builds .sglang_cpu/bin/python), or use rollout.engine: cpu",
         )
-    if cfg.cluster.device != "cuda" or cfg.cluster.ray_address:
-        return
+    if cfg.cluster.device != "cuda" or elsewhere or (mode == "rollout" and r.urls):
+        return  # a Ray cluster's devices, or a rollout-only run of engines running elsewhere
     import torch
 
     have = torch.cuda.device_count()
@@ -59,11 +61,12 @@ def start_ray(cluster: ClusterConfig) -> None:
     # workers' stderr still reaches the console (a rank's traceback must); its known noise is filtered in
     # the worker (rlsys.telemetry.noise), and Ray's own INFO banner only shows with RLSYS_VERBOSE=1
     quiet = dict(log_to_driver=True, logging_level=logging.INFO if verbose() else logging.WARNING)
-    if cluster.ray_address:
-        ray.init(address=cluster.ray_address, **quiet)
+    address = cluster.ray_address or os.environ.get("RAY_ADDRESS")  # RAY_ADDRESS: inside `ray job submit`
+    if address:
+        ray.init(address=address, **quiet)
     else:
         # a CPU run reserves devices_per_node CPUs for its ranks and engines, even on a smaller machine;
-        # "local": a new instance even where another one runs (Ray would join the last `ray start`, or RAY_ADDRESS)
+        # "local": a new instance even where another runs (Ray would join the host's last head node otherwise)
         cpus = max(os.cpu_count() or 1, cluster.devices_per_node)
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, **quiet)
 

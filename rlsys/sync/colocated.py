@@ -134,8 +134,9 @@ def colocated_sends(
 ) -> Iterator[list[Future]]:
     """Send ``bucket`` to every colocated engine (``engines``: ``(engine, tp)`` pairs): ``send(engine,
     payloads)`` with one payload per TP rank, each serialized from a flattened copy of its own, in ``calls``'
-    threads. Yields the replies' futures; on leaving, waits for every one of them (an error in one must not free
-    a copy another engine still reads) before dropping the copies and collecting the released IPC blocks."""
+    threads. Yields the replies' futures (a list of its own: the caller may add others to it); on leaving, waits
+    for every one of these (an error in one must not free a copy another engine still reads) before dropping the
+    copies and collecting the released IPC blocks."""
     flats: list[torch.Tensor] = []
     replies = []
     try:
@@ -145,7 +146,7 @@ def colocated_sends(
                 flats.append(_fresh_flat(bucket))
                 payloads.append(serialize_flattened_bucket(bucket, flats[-1]))
             replies.append(calls.submit(send, engine, payloads))
-        yield replies
+        yield list(replies)
     finally:
         wait_futures(replies, timeout=timeout_s)
         cuda = any(f.is_cuda for f in flats)

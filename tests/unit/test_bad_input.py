@@ -284,3 +284,25 @@ def test_a_cuda_run_on_a_machine_without_cuda_is_refused_before_ray(tmp_path, ca
     from rlsys.controller.setup import check_machine
 
     check_machine(load_config(str(empty), [f"trainer.output_dir={out}", "cluster.ray_address=auto"]), True)
+
+
+def test_the_machine_checks_follow_what_the_mode_starts_here(tmp_path, monkeypatch):
+    """--train-only starts no engine (no SGLang interpreter needed); --rollout-only against engines running
+    elsewhere trains nothing here (no CUDA device needed)."""
+    import torch
+
+    from rlsys.config import load_config
+    from rlsys.controller.setup import check_machine
+    from rlsys.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    out = f"trainer.output_dir={tmp_path / 'out'}"
+    sglang = load_config(CONFIG, [out, "rollout.engine=sglang", "rollout.sglang_python=/nonexistent/python"])
+    check_machine(sglang, False, "train")
+    with pytest.raises(ConfigError, match="rollout.sglang_python"):
+        check_machine(sglang, False, "full")
+    attached = load_config(None, [out, "rollout.urls=[http://10.0.0.1:30000]"])
+    check_machine(attached, True, "rollout")
+    with pytest.raises(ConfigError, match="0 CUDA device"):
+        check_machine(attached, True, "full")

@@ -111,3 +111,19 @@ def test_an_error_from_one_engine_still_waits_for_the_others_before_dropping_the
         with pytest.raises(RuntimeError, match="refused"), sends as replies:
             replies[0].result(30)  # what first_error raises on the first error
         assert seen_alive == [True]
+
+
+def test_only_its_own_replies_are_waited_for(monkeypatch):
+    """The caller adds the broadcast engines' replies to the yielded list; after an error those may never come
+    (a broadcast group with a dead member), and leaving must not wait a timeout for them."""
+    from concurrent.futures import Future
+
+    waited = []
+    real_wait = colocated.wait_futures
+    monkeypatch.setattr(
+        colocated, "wait_futures", lambda fs, timeout: waited.append(list(fs)) or real_wait(fs, timeout)
+    )
+    never = Future()  # a broadcast engine's reply that will not come
+    with ThreadPoolExecutor(2) as calls, colocated_sends(calls, [(0, 1)], _bucket(), lambda e, p: "ok", 30) as replies:
+        replies.append(never)
+    assert len(waited) == 1 and never not in waited[0] and len(waited[0]) == 1
