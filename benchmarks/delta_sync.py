@@ -43,7 +43,7 @@ from sync import ENGINE_DTYPES, MODELS, REPO, RESULTS_DIR, _random_fill, write_s
 
 def _launch_sglang(python: str, hf_dir: str, tmp: str):
     """SGLang's CPU server on ``hf_dir`` with rlsys's delta loader; ``(process with terminate/wait, url)``."""
-    from rlsys.rollout.launch import local_cpu_sglang
+    from rlsys.rollout.sglang_launch import local_cpu_sglang
 
     if not os.path.exists(python):
         sys.exit(f"--engine sglang: no SGLang interpreter at {python}; run tests/sglang/setup_sglang_cpu.sh")
@@ -166,7 +166,7 @@ def main() -> int:
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     from rlsys.local_ranks import run_on_ranks
-    from rlsys.rollout.launch import launch_cpu_engine
+    from rlsys.rollout.cpu_launch import launch_cpu_engine
 
     results, started = [], time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rlsys-bench-delta-") as tmp:

@@ -44,7 +44,7 @@ def _model(out_dir: str) -> str:
 
 
 def _sglang(python: str, model: str, tmp: str):
-    from rlsys.rollout.launch import local_cpu_sglang
+    from rlsys.rollout.sglang_launch import local_cpu_sglang
 
     return local_cpu_sglang(python, model, os.path.join(tmp, "sglang.log"), skip_tokenizer_init=True)
 

@@ -53,7 +53,7 @@ def measure(model_type: str, dtype: str, routers: str, root: str) -> list[tuple]
 
     from rlsys.local_ranks import run_on_ranks
     from rlsys.rollout.client import EngineClient
-    from rlsys.rollout.launch import launch_cpu_engine
+    from rlsys.rollout.cpu_launch import launch_cpu_engine
 
     hf = make_tiny_hf_checkpoint(model_type, os.path.join(root, f"{model_type}-{routers}"))
     if routers == "near-tie":

@@ -326,7 +326,7 @@ def _wire(sync, client, buf, sizes: list[int], timeout: float) -> float:
 def _launch_sglang(python: str, hf_dir: str, timeout: float, tmp: str):
     """The real SGLang server on ``hf_dir`` (CPU backend, bf16, no tokenizer: the checkpoints have none), as
     ``rlsys.rollout.launch`` starts one; returns ``(ServerProcess, url)``."""
-    from rlsys.rollout.launch import local_cpu_sglang
+    from rlsys.rollout.sglang_launch import local_cpu_sglang
 
     if not os.path.exists(python):
         sys.exit(f"--engine sglang: no SGLang interpreter at {python}; run tests/sglang/setup_sglang_cpu.sh")
@@ -464,7 +464,7 @@ def run_size(size: str, layouts: list[str], args, tmp: str, rows: list) -> dict:
     """One model size: its checkpoint and engine, then every layout's trainer ranks; rows appended to ``rows``,
     returns the size's set-up facts."""
     from rlsys.local_ranks import run_on_ranks
-    from rlsys.rollout.launch import launch_cpu_engine
+    from rlsys.rollout.cpu_launch import launch_cpu_engine
 
     dtype = MODELS[size]["dtype"]
     hf_dir = os.path.join(tmp, f"hf-{size}")

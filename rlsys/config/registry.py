@@ -82,15 +82,20 @@ def check_policy_loss(name: str) -> None:
         policy_loss(name)
 
 
-def import_function(module: str, attr: str, key: str):
-    """``module.attr``, callable; ``ValueError`` naming ``key`` and what is missing otherwise (also for
-    ``rlsys.rewards.registry``'s user rewards)."""
+def import_attribute(module: str, attr: str, key: str, what: str = "function"):
+    """``module.attr``; ``ValueError`` naming ``key`` and what is missing otherwise."""
     try:
-        fn = getattr(importlib.import_module(module), attr)
+        return getattr(importlib.import_module(module), attr)
     except ImportError as e:
         raise ValueError(f"{key}: cannot import module {module!r} ({e}); is it on PYTHONPATH?") from None
     except AttributeError:
-        raise ValueError(f"{key}: module {module!r} has no function {attr!r}") from None
+        raise ValueError(f"{key}: module {module!r} has no {what} {attr!r}") from None
+
+
+def import_function(module: str, attr: str, key: str):
+    """``module.attr``, callable; ``ValueError`` naming ``key`` and what is missing otherwise (also for
+    ``rlsys.rewards.registry``'s user rewards)."""
+    fn = import_attribute(module, attr, key)
     if not callable(fn):
         raise ValueError(f"{key}: {module}:{attr} is not callable")
     return fn

@@ -8,26 +8,32 @@ what (each function says why):
 key                                decided from
 =================================  ===========================================================================
 ``rollout.release_memory``         colocated CUDA engines rlsys launches release memory while the trainer runs
-``rollout.dtype``                  the trainer's dtype; bf16 on SGLang's CPU backend (its kernels)
+``rollout.dtype``                  the trainer's dtype; on CPU the engine's own (``rlsys.config.engines``)
 ``rollout.sync.backend``           nccl on CUDA, gloo on CPU
-``rollout.sync.load_format``       per_bucket into rlsys's CPU engine, flattened_bucket into SGLang
+``rollout.sync.load_format``       the engine's own (per_bucket into rlsys's CPU engine, flattened into SGLang)
 ``rollout.sync.pause_mode``        retract for fully-async partial rollouts that continue, else abort
 ``algorithm.advantage.estimator``  ``algorithm.name``'s preset (``rlsys.config.registry``)
 ``algorithm.loss.policy_loss``     ``algorithm.name``'s preset
+``...schedule.old_logprob_pass``   in_update for a single on-policy update that needs them nowhere before it
 =================================  ===========================================================================
 
-Left where they are decided at run time, because they depend on what only exists then: the sync's
-``shards`` (the actor's topology), the weight transport per engine (``rlsys.plan.sync_transports``, a list per
-engine), the old-log-prob pass (per step, ``rlsys.controller.loop``), the progress display (a terminal or
-not), a tool format (the tokenizer's template) and a reward's executor (its function's declaration).
+Decided here but not written into the tree, being one per engine: the weight transport of each engine
+(``sync_transports``). Left where they are decided at run time, because they depend on what only exists then
+(``tests/unit/test_structure.py`` holds the list): the sync's ``shards`` (the engines' answer when the sync
+connects), the progress display (whether its stream is a terminal), a tool format (the tokenizer's template) and
+a reward's executor (its function's declaration).
 """
 
 from __future__ import annotations
 
 import copy
 
+from rlsys.config.engines import engine
 from rlsys.config.registry import estimator_name, policy_loss_name
 from rlsys.config.schema import RolloutConfig, RunConfig
+from rlsys.config.transports import transport_class
+from rlsys.errors import ConfigError
+from rlsys.ipc_allocator import refuse_expandable_segments
 
 RESOLVED_KEYS = (
     "rollout.release_memory",
@@ -37,6 +43,7 @@ RESOLVED_KEYS = (
     "rollout.sync.pause_mode",
     "algorithm.advantage.estimator",
     "algorithm.loss.policy_loss",
+    "algorithm.schedule.old_logprob_pass",
 )
 
 
@@ -51,6 +58,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
     s.pause_mode = sync_pause_mode(cfg)
     out.algorithm.advantage.estimator = estimator_name(cfg.algorithm)
     out.algorithm.loss.policy_loss = policy_loss_name(cfg.algorithm)
+    out.algorithm.schedule.old_logprob_pass = old_logprob_pass(cfg)
     return out
 
 
@@ -64,11 +72,32 @@ def releases_engine_memory(cfg) -> bool:
 
 
 def engine_dtype(cfg: RolloutConfig, model_dtype: str, device: str) -> str:
-    """``rollout.dtype``; ``auto`` serves the trainer's dtype on GPU and bf16 on SGLang's CPU backend (its
-    kernels are bf16)."""
+    """``rollout.dtype``; ``auto`` serves the trainer's dtype, on CPU the engine's own where it has one (SGLang's
+    kernels are bf16: ``rlsys.config.engines``)."""
     if cfg.dtype != "auto":
         return cfg.dtype
-    return "bf16" if device == "cpu" and cfg.engine == "sglang" else model_dtype
+    own = engine(cfg.engine).cpu_dtype
+    return own if device == "cpu" and own else model_dtype
+
+
+def old_logprob_pass(cfg) -> str:
+    """``algorithm.schedule.old_logprob_pass``. ``auto``: ``in_update`` where the update can compute them
+    (``old_logprobs_from_update``), else ``separate``."""
+    given = cfg.algorithm.schedule.old_logprob_pass
+    if given != "auto":
+        return given
+    return "in_update" if old_logprobs_from_update(cfg) else "separate"
+
+
+def old_logprobs_from_update(cfg) -> bool:
+    """Whether a step's actor update can compute the old-policy log-probs itself: it is one on-policy step (one
+    epoch, one mini-batch), so the policy before it is the one it differentiates, and nothing needs them before
+    it does: no mismatch weights, no KL penalty in the rewards (it uses the reference's log-probs against them).
+    The critic's warm-up steps, which do not update the actor, still take a separate pass."""
+    algo = cfg.algorithm
+    s, has_ref = algo.schedule, cfg.ref.enabled and algo.kl.coef > 0
+    single = (s.ppo_epochs, s.mini_batches_per_step) == (1, 1)
+    return single and algo.mismatch.mode == "none" and (not has_ref or algo.kl.use_loss)
 
 
 def sync_backend(cfg) -> str:
@@ -82,11 +111,12 @@ def sync_load_format(cfg) -> str:
     of a per-tensor bucket straight into its parameter (no receive buffer, no copy after; 200M fp32 at TP2 on 2
     cores: 1.37 GB/s against 1.17 flattened, and 0.5 GiB less on rank 0) and a bucket of small tensors in one
     broadcast (a 4.7M-parameter model's 74 tensors: 35 ms per tensor, 15 ms flattened); ``flattened_bucket``
-    into SGLang (one broadcast per bucket, SGLang's fastest)."""
+    into SGLang (one broadcast per bucket, SGLang's fastest): each engine's ``load_format``
+    (``rlsys.config.engines``)."""
     fmt = cfg.rollout.sync.load_format
     if fmt != "auto":
         return fmt
-    return "per_bucket" if cfg.rollout.engine == "cpu" else "flattened_bucket"
+    return engine(cfg.rollout.engine).load_format
 
 
 def sync_pause_mode(cfg) -> str:
@@ -100,3 +130,49 @@ def sync_pause_mode(cfg) -> str:
         return mode
     t = cfg.trainer
     return "retract" if t.async_mode == "fully_async" and t.fully_async.partial_rollout == "continue" else "abort"
+
+
+def sync_transports(cfg: RunConfig) -> list[str]:
+    """How each engine receives the weights (``rlsys.sync.distributed``): ``tensor`` (colocated:
+    ``update_weights_from_tensor``, CUDA IPC handles on GPU, the bytes inline in the HTTP body on CPU) or
+    ``broadcast`` (a weight-update group). The sender is actor rank 0, on device 0, so ``tensor`` reaches only
+    engines on the first node. On CPU ``auto`` broadcasts: a gloo group moves the bytes once, where the inline
+    payload is pickled, base64-encoded and parsed again (SmolLM2-135M fp32: 1.0 s against 25 s a sync)."""
+    transports = _transports(cfg)
+    if cfg.cluster.device == "cuda" and "tensor" in transports and (problem := refuse_expandable_segments()):
+        raise ConfigError("rollout.sync.transport", problem)
+    return transports
+
+
+def _transports(cfg: RunConfig) -> list[str]:
+    r, per_node = cfg.rollout, cfg.cluster.devices_per_node
+    if r.sync.transport not in ("auto", "broadcast", "tensor"):  # a user's: every engine takes it
+        try:
+            transport_class(r.sync.transport)
+        except ValueError as e:
+            raise ConfigError("rollout.sync.transport", str(e).removeprefix("rollout.sync.transport: ")) from None
+        return [r.sync.transport] * (len(r.urls) if r.urls else r.num_engines)
+    if r.urls:  # attached engines: where they run is unknown, a group reaches them anywhere
+        if r.sync.transport == "tensor":
+            raise ConfigError("rollout.sync.transport", "'tensor' is invalid with rollout.urls: use broadcast")
+        return ["broadcast"] * len(r.urls)
+    first_node = [(i * r.tp + r.tp - 1) < per_node for i in range(r.num_engines)]
+    if r.sync.transport == "broadcast":
+        if cfg.cluster.colocate and cfg.cluster.device == "cuda":
+            raise ConfigError(
+                "rollout.sync.transport",
+                "'broadcast' is invalid with cluster.colocate on cuda: engine 0 shares GPU 0 with actor rank 0, and "
+                "NCCL refuses a group with two ranks on one GPU; use 'auto' (update_weights_from_tensor there)",
+            )
+        return ["broadcast"] * r.num_engines
+    if r.sync.transport == "tensor":
+        if not cfg.cluster.colocate or not all(first_node):
+            raise ConfigError(
+                "rollout.sync.transport",
+                "'tensor' is invalid here: it needs every engine colocated on the first node (cluster.colocate: true, "
+                f"engines within the first {per_node} devices); use 'auto'",
+            )
+        return ["tensor"] * r.num_engines
+    if not cfg.cluster.colocate or cfg.cluster.device == "cpu":
+        return ["broadcast"] * r.num_engines
+    return ["tensor" if local else "broadcast" for local in first_node]

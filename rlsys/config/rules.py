@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlsys.config.engines import Engine, engine
 from rlsys.config.registry import check_policy_loss, estimator_name, estimator_needs, policy_loss_name
-from rlsys.config.resolve import releases_engine_memory
+from rlsys.config.resolve import old_logprobs_from_update, releases_engine_memory
 from rlsys.config.schema import (
     ROLES,
     AlgorithmConfig,
@@ -19,6 +20,14 @@ from rlsys.config.schema import (
     response_tokens,
 )
 from rlsys.errors import ConfigError
+
+
+def rollout_engine(r) -> Engine:
+    """``rollout.engine``'s ``Engine`` (``rlsys.config.engines``), or the ``ConfigError`` saying why there is none."""
+    try:
+        return engine(r.engine)
+    except ValueError as e:
+        raise ConfigError("rollout.engine", str(e).removeprefix("rollout.engine: ")) from None
 
 
 def _need(ok: bool, path: str, value: Any, rule: str) -> None:
@@ -69,12 +78,12 @@ def _check_router_replay(cfg: RunConfig) -> None:
     if mode == "R3":
         r = cfg.rollout
         _need(
-            not (r.engine == "sglang" and cfg.cluster.device == "cpu"),
+            rollout_engine(r).routed_experts_on_cpu or cfg.cluster.device != "cpu",
             "rollout.engine",
-            "sglang",
-            "R3 needs the engine's routed experts, and SGLang 0.5.23's CPU backend cannot return them (its capture "
-            "buffer pins host memory through CUDA, and the server exits at start; tests/sglang checks this): "
-            "use rollout.engine: cpu, or algorithm.router_replay: R2",
+            r.engine,
+            "R3 needs the engine's routed experts, and this engine cannot return them on CPU (SGLang 0.5.23's "
+            "capture buffer pins host memory through CUDA, and the server exits at start; tests/sglang checks "
+            "this): use rollout.engine: cpu, or algorithm.router_replay: R2",
         )
         _need(
             not cfg.rollout.multi_turn.agent,
@@ -164,8 +173,9 @@ def _check_rollout(r: RolloutConfig) -> None:
     if r.sync.shards == "parts":  # each TP rank broadcasts its own slices: into its own group, of unquantized tensors
         _need(r.sync.senders == "writers", "rollout.sync.shards", "parts", "needs rollout.sync.senders: writers")
         _need(r.weight_dtype != "fp8", "rollout.sync.shards", "parts", "FP8 blocks need whole tensors: use gather")
-    for key in sorted(set(r.sglang_env) & {"MASTER_ADDR", "MASTER_PORT"}):  # see rlsys.rollout.sglang_env
-        _need(False, f"rollout.sglang_env.{key}", r.sglang_env[key],
+    rollout_engine(r)
+    for key in sorted(set(r.sglang.env) & {"MASTER_ADDR", "MASTER_PORT"}):  # see rlsys.rollout.sglang_env
+        _need(False, f"rollout.sglang.env.{key}", r.sglang.env[key],
               "rlsys sets it per server (SGLang's CPU backend names the /dev/shm segments rlsys removes after it); "
               "remove the key")  # fmt: skip
     m = r.multi_turn
@@ -255,6 +265,13 @@ def _check_cross_section(cfg: RunConfig) -> None:
     warmup = a.schedule.critic_warmup_steps
     if warmup:
         _need(cfg.critic.enabled, "algorithm.schedule.critic_warmup_steps", warmup, "needs critic.enabled: true")
+    _need(
+        a.schedule.old_logprob_pass != "in_update" or old_logprobs_from_update(cfg),
+        "algorithm.schedule.old_logprob_pass",
+        "in_update",
+        "needs one on-policy update per step (ppo_epochs and mini_batches_per_step 1), no mismatch correction and "
+        "no KL penalty in the rewards: use auto or separate",
+    )
     _check_engine_memory(cfg)
     if cfg.trainer.async_mode != "sync":
         offloaded = [role for role in ROLES if getattr(cfg, role).offload]

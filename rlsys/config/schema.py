@@ -118,8 +118,10 @@ class SyncConfig:
     # else per tensor (rlsys.sync.buckets); auto: per_bucket into the CPU engine, flattened_bucket into SGLang
     load_format: Literal["auto", "flattened_bucket", "per_tensor", "per_bucket"] = "auto"
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on cuda, gloo on cpu
-    # auto: update_weights_from_tensor into engines colocated on the first node, a broadcast group for the rest
-    transport: Literal["auto", "broadcast", "tensor"] = "auto"
+    # broadcast: a weight-update group (NCCL/gloo); tensor: update_weights_from_tensor (colocated engines); a user's
+    # package.module:Class (rlsys.config.transports.BucketTransport); auto: tensor into engines colocated on the first
+    # node, broadcast for the rest
+    transport: str = "auto"
     master_address: str | None = None  # address engines reach trainer rank 0 at; None = this host's
     timeout_s: float = 300.0  # bound on every HTTP call and collective of a sync
     verify: bool = False  # after each sync compare per-tensor checksums of every engine with the trainer's
@@ -160,15 +162,24 @@ class MultiTurnConfig:
 
 
 @dataclass
+class SGLangConfig:
+    """SGLang's own settings, read where ``rollout.engine`` is sglang (rlsys.rollout.sglang_launch)."""
+
+    python: str = "python3"  # interpreter of SGLang's own environment (it pins its own torch)
+    args: list[str] = field(default_factory=list)  # appended to every SGLang server's command line
+    env: dict[str, str] = field(default_factory=dict)  # extra environment of SGLang servers
+
+
+@dataclass
 class RolloutConfig:
-    engine: Literal["sglang", "cpu"] = "sglang"  # "cpu" is a slow HF-based engine for tests
+    # sglang; cpu: rlsys's engine on transformers (slow; for tests and machines without SGLang); or a user's
+    # package.module:NAME, an rlsys.config.engines.Engine
+    engine: str = "sglang"
     tp: int = 1  # tensor parallel size of each engine
     num_engines: int = 1  # engines launched; each takes tp devices
     mem_fraction: float = 0.5  # share of device memory an engine may claim (static weights + KV cache)
     urls: list[str] = field(default_factory=list)  # attach to running servers instead of launching engines
-    sglang_python: str = "python3"  # interpreter of SGLang's own environment (it pins its own torch)
-    sglang_args: list[str] = field(default_factory=list)  # appended to every SGLang server's command line
-    sglang_env: dict[str, str] = field(default_factory=dict)  # extra environment of SGLang servers
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # served dtype; auto: model.dtype (bf16 on SGLang CPU)
     api_key: str | None = None  # engines' --api-key; None: a fresh one per run where engines leave loopback
     weight_dtype: Literal["auto", "fp8"] = "auto"  # fp8: block-quantized linear weights (engines serve an FP8 copy)
@@ -274,9 +285,10 @@ class ScheduleConfig:
     ppo_epochs: int = 1  # passes over each rollout batch
     mini_batches_per_step: int = 1  # optimizer steps per pass; 1 = strictly on-policy
     critic_warmup_steps: int = 0  # ppo: first steps train only the critic (VAPO value pretraining)
-    # auto: a single on-policy update (1 epoch, 1 mini-batch) takes the old log-probs from its own forward
-    # (rlsys.controller.loop.old_logprobs_in_update), one forward pass less a step; separate: always a pass
-    old_logprob_pass: Literal["auto", "separate"] = "auto"
+    # in_update: a single on-policy update (1 epoch, 1 mini-batch) takes the old log-probs from its own forward,
+    # one forward pass less a step (rlsys.config.resolve.old_logprob_pass says when it can); separate: always a
+    # pass before the update; auto: in_update where it can
+    old_logprob_pass: Literal["auto", "separate", "in_update"] = "auto"
 
 
 @dataclass
@@ -326,8 +338,9 @@ class ValueObjective:
         return cls(algo.value_loss, algo.schedule)
 
 
-# Keys moved when AlgorithmConfig was split by consumer (a moved section covers the keys below it). An old
-# config is refused, naming the new key, rather than migrated: what a config file says is what runs.
+# Keys moved when AlgorithmConfig was split by consumer and engine settings got their own section (a moved section
+# covers the keys below it). An old config is refused, naming the new key, rather than migrated: what a config file
+# says is what runs.
 MOVED_KEYS = {
     "algorithm.norm_adv_by_std": "algorithm.advantage.norm_by_std",
     "algorithm.adv_eps": "algorithm.advantage.eps",
@@ -354,6 +367,10 @@ MOVED_KEYS = {
     "algorithm.ppo_epochs": "algorithm.schedule.ppo_epochs",
     "algorithm.mini_batches_per_step": "algorithm.schedule.mini_batches_per_step",
     "algorithm.critic_warmup_steps": "algorithm.schedule.critic_warmup_steps",
+    # SGLang's own settings moved into their engine's section
+    "rollout.sglang_python": "rollout.sglang.python",
+    "rollout.sglang_args": "rollout.sglang.args",
+    "rollout.sglang_env": "rollout.sglang.env",
 }
 
 

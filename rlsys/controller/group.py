@@ -100,12 +100,6 @@ class RoleGroup:
 
     # -- role operations --------------------------------------------------------------------------
 
-    def compute_logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> dict[str, list]:
-        return self.per_sample("compute_logprobs", batch, with_entropy)
-
-    def compute_values(self, batch: TrainBatch) -> dict[str, list]:
-        return self.per_sample("compute_values", batch)
-
     def update(self, batch: TrainBatch, mini_batches: int) -> dict[str, float]:
         shards = dp_shards(batch.lengths, self.dp, mini_batches)
         return self._all("call", *[("update", batch.select(shards[i["dp_rank"]])) for i in self.infos])[0]
@@ -114,8 +108,8 @@ class RoleGroup:
         """The old-policy log-probs and entropy an on-policy ``update`` of ``batch`` (no ``old_logp``) computed."""
         return self._merge(dp_shards(batch.lengths, self.dp), self._all("call", same=("last_logprobs",)), len(batch))
 
-    def setup_sync(self, urls, engine_tp, sync_cfg, device, weight_dtype="auto", api_key=None, transports=None):
-        self._all("setup_sync", same=(urls, engine_tp, sync_cfg, device, weight_dtype, api_key, transports))
+    def setup_sync(self, urls, engine_tp, sync_cfg, weight_dtype="auto", api_key=None, transports=None):
+        self._all("setup_sync", same=(urls, engine_tp, sync_cfg, weight_dtype, api_key, transports))
 
     def sync_weights(self, version: int) -> dict:
         return self._all("sync_weights", same=(version,))[0]

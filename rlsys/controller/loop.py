@@ -107,22 +107,22 @@ def learn(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
         batch.set_routing(engine_routing(rolled.samples, *run.moe_shape))
     lengths, mask = batch.response_lengths, batch.response_mask()
     # one on-policy update whose forward gives the old log-probs: no separate pass before it
-    in_update = old_logprobs_in_update(algo, ref is not None, n)
+    in_update = algo.schedule.old_logprob_pass == "in_update" and n > algo.schedule.critic_warmup_steps
     # 4. log-probs of the old policy (and the reference), values
     with t("logprob"):
         if not in_update:
-            old = actor.compute_logprobs(batch, with_entropy=True)
+            old = actor.per_sample("compute_logprobs", batch, True)  # with entropy
             batch.set("old_logp", old["logp"])
             if algo.router_replay != "none":  # the update replays the routing these log-probs came from
                 batch.set_routing(update_routing(batch.routing, old.get("routing")))
         ref_logp = values = None
         if ref is not None:
             with turns.on_device(ref):
-                batch.set("ref_logp", ref.compute_logprobs(batch)["logp"])
+                batch.set("ref_logp", ref.per_sample("compute_logprobs", batch)["logp"])
             ref_logp = batch.padded("ref_logp")
         if critic is not None:
             with turns.on_device(critic):
-                batch.set("values", critic.compute_values(batch)["values"])
+                batch.set("values", critic.per_sample("compute_values", batch)["values"])
             values = batch.padded("values")
 
     # 5. advantages (+ train/inference mismatch correction)
@@ -160,21 +160,6 @@ def learn(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
     # every response token of the batch, tool output and glue included; actor/tokens counts those trained on
     metrics["response/tokens"] = float(sum(lengths))
     return metrics | rollout_mismatch(mismatch)
-
-
-def old_logprobs_in_update(algo, has_ref: bool, n: int) -> bool:
-    """Whether step ``n``'s actor update computes the old-policy log-probs itself (``algorithm.schedule.
-    old_logprob_pass: auto``): it is one on-policy step (one epoch, one mini-batch), so the policy before it
-    is the one it differentiates, and nothing needs them before it does: no mismatch weights, no KL penalty in
-    the rewards (it uses the reference's log-probs against them), and the actor updates this step."""
-    s = algo.schedule
-    return (
-        s.old_logprob_pass == "auto"
-        and (s.ppo_epochs, s.mini_batches_per_step) == (1, 1)
-        and algo.mismatch.mode == "none"
-        and (not has_ref or algo.kl.use_loss)
-        and n > s.critic_warmup_steps
-    )
 
 
 # the engine-vs-trainer log-prob gap under the names the console, the plots and the README use

@@ -162,7 +162,6 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
             engines.urls,
             [cfg.rollout.tp] * len(engines.urls),
             cfg.rollout.sync,  # resolved (rlsys.config.resolve): no auto reaches the ranks
-            cfg.cluster.device,
             cfg.rollout.weight_dtype,
             engines.api_key,
             sync_transports(cfg),

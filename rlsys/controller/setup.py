@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
 
 from rlsys.config import ClusterConfig, ModelConfig, PolicyObjective, RunConfig, ValueObjective
+from rlsys.config.engines import engine
 from rlsys.errors import ConfigError
 from rlsys.plan import role_world_sizes
-from rlsys.rollout.launch import engine_threads
+from rlsys.rollout.cpu_launch import engine_threads
 from rlsys.telemetry.noise import verbose
 from rlsys.worker.spec import RoleSpec
 
@@ -31,11 +33,14 @@ def check_machine(cfg, use_ray: bool, mode: str = "full") -> None:
         raise ConfigError("trainer.output_dir", f"{out} cannot be created: {existing} is not writable")
     r, elsewhere = cfg.rollout, cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS")  # a Ray cluster's nodes
     launches = mode != "train" and not r.urls and not elsewhere  # engines start on this machine
-    if launches and r.engine == "sglang" and shutil.which(r.sglang_python) is None:
+    key = engine(r.engine).interpreter  # the Python the engine runs under, where not rlsys's own
+    python = functools.reduce(getattr, key.split(".")[1:], r) if key else None
+    if launches and python is not None and shutil.which(python) is None:
         raise ConfigError(
-            "rollout.sglang_python",
-            f"{r.sglang_python!r} is not an executable here: point it at the python of SGLang's environment "
-            "(on CPU, tests/sglang/setup_sglang_cpu.sh builds .sglang_cpu/bin/python), or use rollout.engine: cpu",
+            key,
+            f"{python!r} is not an executable here: point it at the python of the engine's environment "
+            "(on CPU, tests/sglang/setup_sglang_cpu.sh builds SGLang's: .sglang_cpu/bin/python), or use "
+            "rollout.engine: cpu",
         )
     if cfg.cluster.device != "cuda" or elsewhere or (mode == "rollout" and r.urls):
         return  # a Ray cluster's devices, or a rollout-only run of engines running elsewhere
@@ -124,7 +129,7 @@ def cpu_rank_threads(cfg: RunConfig, world: int) -> int:
     (measured, 2 cores, one_step_off: 0.33 s a step with 2 trainer threads, 0.30 s with 1)."""
     cores = len(os.sched_getaffinity(0))
     r = cfg.rollout
-    if cfg.trainer.async_mode != "sync" and r.engine == "cpu" and not r.urls and cfg.cluster.nodes == 1:
+    if cfg.trainer.async_mode != "sync" and engine(r.engine).host_threads and not r.urls and cfg.cluster.nodes == 1:
         cores -= r.num_engines * engine_threads(cores, r.num_engines, overlap=True)
     return max(1, cores // max(world, 1))
 

@@ -8,9 +8,10 @@ Devices are numbered globally: device d is local device ``d % devices_per_node``
 from __future__ import annotations
 
 from rlsys.config import ROLES, RunConfig, response_tokens
-from rlsys.config.resolve import sync_load_format, sync_pause_mode  # noqa: F401 (rlsys.plan re-exports them)
+
+# rlsys.plan re-exports them
+from rlsys.config.resolve import sync_load_format, sync_pause_mode, sync_transports  # noqa: F401
 from rlsys.errors import ConfigError
-from rlsys.ipc_allocator import refuse_expandable_segments
 
 
 def total_devices(cfg: RunConfig) -> int:
@@ -61,43 +62,3 @@ def device_offsets(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, int]:
     critic = sizes.get("critic", 0)
     offsets = {"actor": 0, "ref": 0, "critic": sizes["actor"], "rollout": sizes["actor"] + critic}
     return {name: offsets[name] for name in [*sizes, "rollout"]}
-
-
-def sync_transports(cfg: RunConfig) -> list[str]:
-    """How each engine receives the weights (``rlsys.sync.distributed``): ``tensor`` (colocated:
-    ``update_weights_from_tensor``, CUDA IPC handles on GPU, the bytes inline in the HTTP body on CPU) or
-    ``broadcast`` (a weight-update group). The sender is actor rank 0, on device 0, so ``tensor`` reaches only
-    engines on the first node. On CPU ``auto`` broadcasts: a gloo group moves the bytes once, where the inline
-    payload is pickled, base64-encoded and parsed again (SmolLM2-135M fp32: 1.0 s against 25 s a sync)."""
-    transports = _transports(cfg)
-    if cfg.cluster.device == "cuda" and "tensor" in transports and (problem := refuse_expandable_segments()):
-        raise ConfigError("rollout.sync.transport", problem)
-    return transports
-
-
-def _transports(cfg: RunConfig) -> list[str]:
-    r, per_node = cfg.rollout, cfg.cluster.devices_per_node
-    if r.urls:  # attached engines: where they run is unknown, a group reaches them anywhere
-        if r.sync.transport == "tensor":
-            raise ConfigError("rollout.sync.transport", "'tensor' is invalid with rollout.urls: use broadcast")
-        return ["broadcast"] * len(r.urls)
-    first_node = [(i * r.tp + r.tp - 1) < per_node for i in range(r.num_engines)]
-    if r.sync.transport == "broadcast":
-        if cfg.cluster.colocate and cfg.cluster.device == "cuda":
-            raise ConfigError(
-                "rollout.sync.transport",
-                "'broadcast' is invalid with cluster.colocate on cuda: engine 0 shares GPU 0 with actor rank 0, and "
-                "NCCL refuses a group with two ranks on one GPU; use 'auto' (update_weights_from_tensor there)",
-            )
-        return ["broadcast"] * r.num_engines
-    if r.sync.transport == "tensor":
-        if not cfg.cluster.colocate or not all(first_node):
-            raise ConfigError(
-                "rollout.sync.transport",
-                "'tensor' is invalid here: it needs every engine colocated on the first node (cluster.colocate: true, "
-                f"engines within the first {per_node} devices); use 'auto'",
-            )
-        return ["tensor"] * r.num_engines
-    if not cfg.cluster.colocate or cfg.cluster.device == "cpu":
-        return ["broadcast"] * r.num_engines
-    return ["tensor" if local else "broadcast" for local in first_node]

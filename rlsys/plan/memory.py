@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlsys.config import RunConfig, releases_engine_memory, response_tokens
+from rlsys.config.engines import engine
+from rlsys.config.resolve import engine_dtype
 from rlsys.errors import ConfigError
 from rlsys.plan.devices import sync_transports
 from rlsys.plan.phases import ORDER, Move, PhaseOrder
@@ -69,7 +71,7 @@ class Phase:
 def engine_weight_bytes(cfg: RunConfig, arch) -> float:
     """An engine's weights on one of its devices: the model in the served dtype over ``rollout.tp``."""
     r = cfg.rollout
-    served = "fp8" if r.weight_dtype == "fp8" else (r.dtype if r.dtype != "auto" else cfg.model.dtype)
+    served = "fp8" if r.weight_dtype == "fp8" else engine_dtype(r, cfg.model.dtype, cfg.cluster.device)
     return count_params(arch).total * _SERVED_BYTES[served] / r.tp
 
 
@@ -232,7 +234,8 @@ class _Walk:
         # come yet, about one bucket's worth (the trainer alternates its TP ranks' buckets)
         c = self.cfg
         split = c.actor.parallel.tp > 1 or (c.actor.parallel.etp or 1) > 1
-        parts = c.rollout.engine == "sglang" and c.rollout.sync.shards != "gather" and not c.cluster.colocate
+        assembles = engine(c.rollout.engine).assembles_parts
+        parts = assembles and c.rollout.sync.shards != "gather" and not c.cluster.colocate
         return float(self.bucket) if split and parts else 0.0
 
 

@@ -515,7 +515,7 @@ def check_server_version(version: Any, url: str = "") -> str:
     where = f" at {url}" if url else ""
     known = ", ".join(SGLANG_RELEASES)
     fix = (
-        f"install sglang=={SGLANG_TESTED_VERSION} in the SGLang environment (the python of rollout.sglang_python), "
+        f"install sglang=={SGLANG_TESTED_VERSION} in the SGLang environment (the python of rollout.sglang.python), "
         "or attach to a server of a supported release"
     )
     try:

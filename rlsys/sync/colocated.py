@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import io
 import pickle
 import sys
@@ -153,3 +154,34 @@ def colocated_sends(
         flats.clear()
         if cuda:
             torch.cuda.ipc_collect()
+
+
+class TensorTransport:
+    """The ``tensor`` transport (``rlsys.config.transports``): each bucket into colocated engines through SGLang's
+    ``update_weights_from_tensor``, one payload per engine TP rank (``colocated_sends``)."""
+
+    def __init__(self, engines: list, *, calls: ThreadPoolExecutor, timeout_s: float):
+        self.engines, self.calls, self.timeout_s = engines, calls, timeout_s
+
+    def prepare(self, version: int) -> None:
+        pass  # nothing to set up: every bucket is a call of its own
+
+    def send(self, bucket: Bucket, version: int):
+        call = functools.partial(self.update, version=version)
+        return colocated_sends(self.calls, self.engines, bucket, call, self.timeout_s)
+
+    def update(self, engine, payloads: list[str], version: int):
+        """One bucket into one engine: its TP ranks' flattened-bucket payloads, one each."""
+        return engine.update_weights_from_tensor(
+            payloads,
+            load_format="flattened_bucket",
+            flush_cache=False,
+            weight_version=str(version),
+            timeout_s=self.timeout_s,
+        )
+
+    def finish(self, version: int) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass  # the copies are dropped when each send's context ends

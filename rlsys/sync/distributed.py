@@ -77,12 +77,13 @@ FP8 checkpoint). Rank 0 waits at most ``timeout_s`` for each engine call, broadc
 writer's failure reaches it at once); writers wait for rank 0 as long as the funnel group's timeout. A group:
 its sending rank is rank 0, engine ``i``'s TP rank ``t`` is ``1 + sum(tp of broadcast engines before i) + t``.
 
-Transports, one per engine (``transports``; ``rlsys.plan.sync_transports`` picks them): ``broadcast`` joins the
-group above; ``tensor`` (colocated: the engine shares rank 0's node; NCCL refuses a group with two ranks on
-one GPU) receives each bucket as SGLang's ``FlattenedTensorBucket`` payload of ``update_weights_from_tensor``,
-one for each of its TP ranks, each flattened into a fresh tensor of its own (SGLang reads it after the call
-returns, and a CUDA IPC share must have one reader: ``rlsys.sync.colocated``):
-a CUDA IPC handle on GPU, the bytes inline on CPU (``rlsys.sync.colocated`` says why not shared memory).
+Transports, one per engine (``transports``; ``rlsys.config.resolve.sync_transports`` picks them,
+``rlsys.config.transports`` names them): ``broadcast`` joins the group above; every other is a bucket transport
+that rank 0 hands each bucket whole, at the same time as the group's broadcast: ``tensor`` (colocated: the engine
+shares rank 0's node; NCCL refuses a group with two ranks on one GPU) sends SGLang's ``FlattenedTensorBucket``
+payloads of ``update_weights_from_tensor``, one per TP rank, each from a copy of its own (``rlsys.sync.colocated``:
+a CUDA IPC share must have one reader; on CPU the bytes inline), or a user's ``package.module:Class``. Bucket
+transports take whole tensors, so their writers send through rank 0.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ import torch
 import torch.distributed as dist
 
 from rlsys.architectures.fp8 import quantize_named_tensors
+from rlsys.config.transports import GROUP, build_transports
 from rlsys.errors import ConfigError
 from rlsys.host_threads import single_threaded
 from rlsys.ipc_allocator import refuse_expandable_segments
@@ -106,7 +108,6 @@ from rlsys.megatron.export import is_dense_writer, is_expert_writer, iter_hf_ten
 from rlsys.rollout.protocol import PAUSE_MODES
 from rlsys.sync import buckets as bk
 from rlsys.sync.buckets import Bucket, Bucketer, Handoff, send_bucket, send_end
-from rlsys.sync.colocated import colocated_sends
 from rlsys.sync.delta import DeltaEncoder
 from rlsys.sync.engine_calls import announce_bucket, first_error
 from rlsys.sync.groups import BroadcastGroups
@@ -161,19 +162,20 @@ class DistributedWeightSync(BroadcastGroups, EngineSessions, WriterTurns):
             raise ValueError(f"rollout.weight_dtype must be 'auto' or 'fp8', got {weight_dtype!r}")
         if senders not in ("writers", "rank0"):
             raise ValueError(f"sync.senders must be 'writers' or 'rank0', got {senders!r}")
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"sync.backend must be nccl or gloo (rlsys.config.resolve decides auto), got {backend!r}")
         if shards not in ("auto", "parts", "gather"):
             raise ValueError(f"sync.shards must be 'auto', 'parts' or 'gather', got {shards!r}")
         if load_format not in bk.LOAD_FORMATS:
             raise ValueError(f"sync.load_format must be one of {bk.LOAD_FORMATS}, got {load_format!r}")
         self.topo, self.arch = topo, arch
         self.engines, self.engine_tp = engines, engine_tp
-        self.transports = list(transports) if transports is not None else ["broadcast"] * len(engines)
-        if len(self.transports) != len(engines) or not set(self.transports) <= {"broadcast", "tensor"}:
-            raise ValueError(f"transports must be 'broadcast' or 'tensor' per engine, got {self.transports!r}")
-        self.broadcast_engines = [e for e, t in zip(engines, self.transports) if t == "broadcast"]
-        self.broadcast_tp = [tp for tp, t in zip(engine_tp, self.transports) if t == "broadcast"]
-        self.tensor_engines = [(e, tp) for e, tp, t in zip(engines, engine_tp, self.transports) if t == "tensor"]
-        if self.tensor_engines and topo.device.type == "cuda" and (problem := refuse_expandable_segments()):
+        self.transports = list(transports) if transports is not None else [GROUP] * len(engines)
+        if len(self.transports) != len(engines):
+            raise ValueError(f"transports must name one transport per engine, got {self.transports!r}")
+        self.broadcast_engines = [e for e, t in zip(engines, self.transports) if t == GROUP]
+        self.broadcast_tp = [tp for tp, t in zip(engine_tp, self.transports) if t == GROUP]
+        if "tensor" in self.transports and topo.device.type == "cuda" and (problem := refuse_expandable_segments()):
             raise ConfigError("rollout.sync.transport", problem)  # this rank's allocator, not the controller's
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.load_format, self.backend, self.timeout_s = load_format, backend, timeout_s
@@ -191,10 +193,14 @@ class DistributedWeightSync(BroadcastGroups, EngineSessions, WriterTurns):
         self.connected = False
         self.active_group_name = group_name
         self.last_verification: list = []  # the engine reports of the last verified sync
+        self._calls = ThreadPoolExecutor(max(4, 2 * len(engines)), "weight-sync", single_threaded)
+        # rank 0: the engines that take each bucket whole from it, grouped by transport (rlsys.config.transports)
+        self.bucket_transports = build_transports(
+            self.transports, engines, engine_tp, calls=self._calls, timeout_s=timeout_s
+        )
         self._choose_writers(topo, senders)
         self.group_names: list[str] = []  # rank 0: the broadcast groups the engines hold, one per sending writer
         self.version = 0
-        self._calls = ThreadPoolExecutor(max(4, 2 * len(engines)), "weight-sync", single_threaded)
         self._failure: BaseException | None = None  # this sync's first send error (rank 0: an engine's)
         self._groups_made = 0  # a rebuilt broadcast group gets a fresh name (the old one may hold a stale send)
         self._sessions: list = []  # engines whose weight-update session is open
@@ -211,26 +217,22 @@ class DistributedWeightSync(BroadcastGroups, EngineSessions, WriterTurns):
         self.last_full = True
 
     @classmethod
-    def from_config(cls, topo, arch, engines, engine_tp, cfg, *, backend: str, weight_dtype: str, transports):
-        """From ``rollout.sync`` (``SyncConfig``), every key of it: one the constructor does not take fails here,
-        not silently. ``backend`` and ``transports`` are the ones resolved for this run (``transport`` picks per
-        engine in ``rlsys.plan.sync_transports``); ``weight_dtype`` is ``rollout.weight_dtype``."""
-        given = {
-            f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("backend", "transport")
-        }
-        return cls(
-            topo, arch, engines, engine_tp, backend=backend, weight_dtype=weight_dtype, transports=transports, **given
-        )
+    def from_config(cls, topo, arch, engines, engine_tp, cfg, *, weight_dtype: str, transports):
+        """From the resolved ``rollout.sync`` (``SyncConfig``, ``rlsys.config.resolve``), every key of it: one the
+        constructor does not take fails here, not silently. ``transports``: each engine's
+        (``rlsys.config.resolve.sync_transports``); ``weight_dtype`` is ``rollout.weight_dtype``."""
+        given = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "transport"}
+        return cls(topo, arch, engines, engine_tp, weight_dtype=weight_dtype, transports=transports, **given)
 
     def _choose_writers(self, topo, senders: str) -> None:
         # every rank's verdict on a sync, on a host-side group whatever the training backend
         self.control = dist.new_group(backend="gloo")
         # Writers broadcast their own buckets (rank 0 announces them), each TP rank its share (export's spread);
         # not into colocated engines, which take rank 0's tensors. Rank 0 knows the transports and decides.
-        spread = senders == "writers" and bool(self.broadcast_tp) and not self.tensor_engines
+        spread = senders == "writers" and bool(self.broadcast_tp) and not self.bucket_transports
         refused = None
         if self.is_sender and self.shards == "parts" and not spread:
-            refused = "parts are broadcast by each TP rank into every engine: colocated engines take whole tensors"
+            refused = "parts are broadcast by each TP rank into every engine: other transports take whole tensors"
         decision = [spread, refused, os.urandom(3).hex()]  # and the incarnation in this trainer's group names
         dist.broadcast_object_list(decision, src=0, group=self.control)
         if decision[1]:
@@ -268,6 +270,8 @@ class DistributedWeightSync(BroadcastGroups, EngineSessions, WriterTurns):
         if self.is_sender:
             try:
                 self._prepare_engines()
+                for t in self.bucket_transports:
+                    t.prepare(self.version)
             except Exception as e:
                 error = e
                 self._close_sessions(resume=True)  # nothing was sent: the engines still serve whole weights
@@ -292,14 +296,18 @@ class DistributedWeightSync(BroadcastGroups, EngineSessions, WriterTurns):
             error = e
         if self.is_sender:
             if error is not None or self._failure is not None:
+                self._abort_transports()
                 self._close_sessions(resume=False)  # paused: their weights are partly new
                 self.disconnect(broken=True)
                 if error is None and not isinstance(self._failure, WriterGaveUp):  # a writer says its own
                     error = self._failure
             else:
                 try:  # the sessions' end and verification are engine answers too: every rank hears of them
+                    for t in self.bucket_transports:
+                        t.finish(self.version)
                     self._finish_engines()
                 except Exception as e:
+                    self._abort_transports()
                     error = e
         self._need_full = True  # until every rank agrees that this sync landed whole
         try:
@@ -316,6 +324,11 @@ class DistributedWeightSync(BroadcastGroups, EngineSessions, WriterTurns):
         stats.seconds = time.perf_counter() - start
         stats.full = self.last_full
         return stats
+
+    def _abort_transports(self) -> None:
+        for t in self.bucket_transports:
+            with contextlib.suppress(Exception):  # the sync's own error is the one to report
+                t.abort()
 
     def _decide(self) -> None:
         """Every rank learns from rank 0 whether this sync is whole (delta bases reset) or sends deltas, and whether
@@ -519,11 +532,12 @@ class DistributedWeightSync(BroadcastGroups, EngineSessions, WriterTurns):
 
     def _broadcast_bucket(self, bucket: Bucket, src: int = 0) -> None:
         """``src``: the writer whose group carries the bytes; another writer's (direct) is only announced here,
-        that writer broadcasts it (``_cast_own``). Colocated engines get the bucket through CUDA IPC handles, one
-        flattened copy per TP rank (``rlsys.sync.colocated.colocated_sends``)."""
+        that writer broadcasts it (``_cast_own``). The bucket transports' engines (colocated ones: one flattened
+        copy per TP rank, ``rlsys.sync.colocated``) take it whole, at the same time."""
         fmt = "flattened_bucket" if bk.sends_flat(self.load_format, bucket) else None
         whole = Bucket(bucket.names, bucket.tensors, bucket.nbytes)
-        with colocated_sends(self._calls, self.tensor_engines, whole, self._send_tensors, self.timeout_s) as replies:
+        with contextlib.ExitStack() as delivering:  # each transport's resources live until every engine answered
+            replies = [r for t in self.bucket_transports for r in delivering.enter_context(t.send(whole, self.version))]
             if not self.broadcast_engines:
                 first_error(replies, self.timeout_s)
                 return
@@ -536,16 +550,6 @@ class DistributedWeightSync(BroadcastGroups, EngineSessions, WriterTurns):
             # replies first turns an error answer into an error now, not a broadcast that waits out its timeout.
             first_error(replies, self.timeout_s)
             self._wait(sends)
-
-    def _send_tensors(self, engine, payloads: list[str]):
-        """One bucket into a colocated engine: its TP ranks' flattened-bucket payloads, one each."""
-        return engine.update_weights_from_tensor(
-            payloads,
-            load_format="flattened_bucket",
-            flush_cache=False,
-            weight_version=str(self.version),
-            timeout_s=self.timeout_s,
-        )
 
 
 __all__ = ["DistributedWeightSync", "SyncStats", "WeightSyncError", "dtype_name"]

@@ -95,7 +95,6 @@ class RankWorker:
         urls: list[str],
         engine_tp: list[int],
         sync_cfg,
-        device: str,
         weight_dtype: str,
         api_key=None,
         transports: list[str] | None = None,
@@ -103,7 +102,6 @@ class RankWorker:
         from rlsys.rollout.client import EngineClient
         from rlsys.sync.distributed import DistributedWeightSync
 
-        backend = sync_cfg.backend if sync_cfg.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
         rank0 = torch.distributed.get_rank() == 0
         clients = [EngineClient(u, sync_cfg.timeout_s, api_key=api_key) for u in urls] if rank0 else []
         self.sync = DistributedWeightSync.from_config(
@@ -112,7 +110,6 @@ class RankWorker:
             clients,
             engine_tp if rank0 else [],
             sync_cfg,
-            backend=backend,
             weight_dtype=weight_dtype,
             transports=transports if rank0 else [],
         )

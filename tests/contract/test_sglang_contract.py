@@ -29,7 +29,7 @@ from sglang_recordings import (
     RECORDED_SERVER_INFO,
 )
 
-from rlsys.rollout import launch, protocol
+from rlsys.rollout import protocol, sglang_launch
 
 pytestmark = pytest.mark.slow  # one subprocess importing sglang: ~30 s
 
@@ -87,7 +87,7 @@ def _requests() -> dict[str, tuple[str, dict]]:
     }
 
 
-LAUNCH = launch.sglang_command(
+LAUNCH = sglang_launch.sglang_command(
     "/models/tiny",
     2,
     30011,
@@ -99,7 +99,7 @@ LAUNCH = launch.sglang_command(
     base_gpu_id=2,
 )
 # SGLang's CPU backend as rlsys launches it (attention backend fixed: the parse must not depend on this CPU)
-LAUNCH_CPU = launch.sglang_command(
+LAUNCH_CPU = sglang_launch.sglang_command(
     "/models/tiny",
     1,
     30012,
@@ -111,7 +111,7 @@ LAUNCH_CPU = launch.sglang_command(
     api_key="k3y",
     host="10.0.0.2",
 )
-ROUTER = launch.router_command(["http://127.0.0.1:30011", "http://127.0.0.1:30012"], 30100)
+ROUTER = sglang_launch.router_command(["http://127.0.0.1:30011", "http://127.0.0.1:30012"], 30100)
 
 # Paths rlsys calls and the method it uses.
 ENDPOINTS = {
@@ -330,7 +330,7 @@ def test_cpu_launch_command_parses_with_sglang_server_args(report):
     assert report["server_args_cpu"] == {
         "device": "cpu",
         "attention_backend": "torch_native",
-        "max_total_tokens": launch.CPU_MAX_TOTAL_TOKENS,
+        "max_total_tokens": sglang_launch.CPU_MAX_TOTAL_TOKENS,
         "disable_overlap_schedule": True,
         "api_key": "k3y",
         "dtype": "bfloat16",

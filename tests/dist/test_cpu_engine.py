@@ -24,7 +24,7 @@ from rlsys.architectures.hf_config import SUPPORTED_MODEL_TYPES
 from rlsys.faults import HOLD_ENDPOINT, HOLD_PARAM, HOLD_REQUESTS
 from rlsys.local_ranks import free_port
 from rlsys.rollout.cpu.weights import serialize_tensors
-from rlsys.rollout.launch import launch_cpu_engine
+from rlsys.rollout.cpu_launch import launch_cpu_engine
 from rlsys.sync.buckets import Bucket
 from rlsys.sync.process_group import destroy_custom_process_group, init_custom_process_group
 from rlsys.sync.wire import tensor_checksum

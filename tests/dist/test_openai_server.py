@@ -15,7 +15,7 @@ import requests
 from chat_tokenizers import byte_tokenizer, word_chat_tokenizer
 from tiny_models import make_tiny_hf_checkpoint
 
-from rlsys.rollout.launch import launch_cpu_engine
+from rlsys.rollout.cpu_launch import launch_cpu_engine
 from rlsys.rollout.openai_server import ChatServer, Completion, join_turns
 from rlsys.rollout.pool import EnginePool
 

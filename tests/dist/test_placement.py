@@ -145,7 +145,7 @@ def test_disaggregated_roles_and_engine_on_their_own_devices(placed, tmp_path):
         "critic.world_size=1",
         "rollout.num_engines=1",
         "rollout.tp=2",
-        f"rollout.sglang_python={fake}",
+        f"rollout.sglang.python={fake}",
     )
     d = p.devices
     # device_offsets: actor (and ref, on the actor's devices) 0, critic 1, rollout 2..3 = all of node 2

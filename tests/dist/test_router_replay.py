@@ -185,7 +185,7 @@ def test_r3_trainer_logprobs_equal_the_engine_s(model_type, layout, tmp_path):
     the same tokens. Routing flips make them disagree by up to ~0.4-0.9 nats; replaying the engine's routes
     (R3) leaves fp32 rounding."""
     from rlsys.rollout.client import EngineClient
-    from rlsys.rollout.launch import launch_cpu_engine
+    from rlsys.rollout.cpu_launch import launch_cpu_engine
 
     hf = near_tie_routers(make_tiny_hf_checkpoint(model_type, str(tmp_path / "ties")))
     proc, url = launch_cpu_engine(hf, extra_args=("--enable-return-routed-experts",))

@@ -38,7 +38,7 @@ from types import SimpleNamespace
 import pytest
 
 from rlsys.local_ranks import free_port
-from rlsys.rollout import launch, protocol
+from rlsys.rollout import cpu_launch, protocol, sglang_launch
 from rlsys.rollout.client import EngineClient
 from rlsys.rollout.pool import EnginePool
 from rlsys.rollout.process import ServerProcess
@@ -91,7 +91,7 @@ def checkpoints(tmp_path_factory):
 
 def _engine(model_dir: str, index: int, log_dir: Path) -> ServerProcess:
     port = free_port()
-    command = launch.cpu_engine_command(model_dir, index, "127.0.0.1", port, KEY)
+    command = cpu_launch.cpu_engine_command(model_dir, index, "127.0.0.1", port, KEY)
     command += ["--weight-version", f"0.e{index}"]  # who served a sample, until the sync sets 1.e{index}
     return ServerProcess(command, f"http://127.0.0.1:{port}", log_file=str(log_dir / f"engine{index}.log"))
 
@@ -108,16 +108,16 @@ def _direct(client: EngineClient, prompts, sampling) -> list:
 
 def test_router_probe_asks_for_what_the_launcher_imports(router_folders):
     """``start_engines`` launches a router only where the probe passes: one that cannot start would fail the run."""
-    assert launch.sglang_router_available(sys.executable, env=router_folders.env)
+    assert sglang_launch.sglang_router_available(sys.executable, env=router_folders.env)
     # here `import sglang_router` passes, and `python -m sglang_router.launch_router` fails: No module named ...
-    assert not launch.sglang_router_available(sys.executable, env=router_folders.bare)
+    assert not sglang_launch.sglang_router_available(sys.executable, env=router_folders.bare)
 
 
 @pytest.mark.slow  # two engines and a router: 15-35 s on 2 busy cores
 def test_real_router_spreads_rollouts_and_serves_the_synced_weights(router_env, checkpoints, tmp_path):
     t0 = time.monotonic()
     engines = [_engine(checkpoints["old"], i, tmp_path) for i in range(2)]
-    router = launch.sglang_router(
+    router = sglang_launch.sglang_router(
         [e.url for e in engines],
         python=sys.executable,
         env=router_env,
@@ -171,7 +171,7 @@ def test_real_router_spreads_rollouts_and_serves_the_synced_weights(router_env, 
 
         # 3. A second router next to the first (another run's on this node): each has its own metrics port.
         log = str(tmp_path / "router2.log")
-        second = launch.sglang_router(
+        second = sglang_launch.sglang_router(
             [e.url for e in engines], python=sys.executable, env=router_env, log_file=log, api_key=KEY
         )
         second.start()
@@ -244,7 +244,7 @@ def test_what_the_real_router_forwards_of_a_generate_request(router_env, tmp_pat
     worker = ThreadingHTTPServer(("127.0.0.1", 0), _EchoWorker)
     threading.Thread(target=worker.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{worker.server_address[1]}"
-    router = launch.sglang_router(
+    router = sglang_launch.sglang_router(
         [url], python=sys.executable, env=router_env, log_file=str(tmp_path / "router.log"), api_key=KEY
     )
     client = EngineClient(router.url, 60, api_key=KEY)

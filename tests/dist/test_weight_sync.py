@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from rlsys.local_ranks import run_on_ranks
 from rlsys.rollout.client import EngineClient
-from rlsys.rollout.launch import launch_cpu_engine
+from rlsys.rollout.cpu_launch import launch_cpu_engine
 from rlsys.sync.wire import tensor_checksum
 
 pytestmark = pytest.mark.dist

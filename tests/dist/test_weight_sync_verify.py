@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from rlsys.local_ranks import run_on_ranks
-from rlsys.rollout.launch import launch_cpu_engine
+from rlsys.rollout.cpu_launch import launch_cpu_engine
 
 pytestmark = pytest.mark.dist
 

@@ -152,3 +152,40 @@ def test_old_logprobs_from_the_update_equal_a_separate_pass(tmp_path):
         for key in ("actor/grad_norm", "actor/pg_loss", "actor/entropy", "rollout/logprob_diff_max"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
         assert a["actor/clipfrac"] == 0.0  # the ratio is exactly 1 on-policy
+
+
+def test_a_weight_transport_from_outside_rlsys_syncs(tmp_path, monkeypatch):
+    """A new weight transport is a module and one config key (``rlsys.config.transports``):
+    ``tests/e2e/folder_transport.py`` writes each bucket to a folder the CPU engine loads, and nothing inside rlsys
+    names it. The engines' weights are checked against the trainer's after every sync (``rollout.sync.verify``)."""
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))
+    from folder_transport import FolderTransport
+
+    before = FolderTransport.buckets_sent
+    history = run(
+        tmp_path, "folder", 2, "rollout.sync.transport=folder_transport:FolderTransport", "rollout.sync.verify=true"
+    )
+    assert FolderTransport.buckets_sent > before  # the buckets went through it, not through a broadcast group
+    for m in history:
+        assert finite(m), m
+        assert m["sync/verified_tensors"] > 0  # every engine holds what the trainer sent
+        assert m["rollout/logprob_diff_max"] < 1e-4  # and samples from it
+        assert m["rollout/weight_version"] == m["step"]
+    assert "transport: folder_transport:FolderTransport" in (tmp_path / "folder" / "resolved.yaml").read_text()
+    with pytest.raises(ConfigError, match="rollout.sync.transport.*has no function 'Missing'"):
+        run(tmp_path, "bad", 1, "rollout.sync.transport=folder_transport:Missing")
+
+
+def test_an_engine_from_outside_rlsys_rolls_out(tmp_path, monkeypatch):
+    """A new engine is a module with a launcher and an ``Engine`` (``rlsys.config.engines``), named in
+    ``rollout.engine``: what it declares decides the run's derived settings and its launch."""
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))
+    import custom_engine
+
+    before = len(custom_engine.launched)
+    history = run(tmp_path, "engine", 1, "rollout.engine=custom_engine:ENGINE")
+    assert len(custom_engine.launched) == before + 1  # its launcher built the one engine's command line
+    assert finite(history[0]) and history[0]["rollout/logprob_diff_max"] < 1e-4
+    resolved = (tmp_path / "engine" / "resolved.yaml").read_text()
+    assert "load_format: per_tensor" in resolved  # sync.load_format: auto took the engine's own
+    assert list((tmp_path / "engine").rglob("mine_0.log"))  # its log under its own name

@@ -11,8 +11,8 @@ import os
 import pytest
 
 from rlsys.rollout.client import EngineClient
-from rlsys.rollout.launch import local_cpu_sglang
 from rlsys.rollout.process import ServerProcess
+from rlsys.rollout.sglang_launch import local_cpu_sglang
 from rlsys.sync.verify import cpu_packs_linear_weights
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -41,7 +41,7 @@ def test_grpo_on_real_sglang(sglang_py, tmp_path, engines, transport, trainer_dt
             "data.prompts_per_step=4",
             "rollout.sampling.n=4",
             "rollout.engine=sglang",
-            f"rollout.sglang_python={sglang_py}",
+            f"rollout.sglang.python={sglang_py}",
             f"rollout.num_engines={engines}",
             f"rollout.sync.transport={transport}",
             "rollout.sync.verify=true",
@@ -84,7 +84,7 @@ def test_tool_calling_rollouts_on_real_sglang(sglang_py, tmp_path):
         "trainer.export_hf=false",
         "logging.tensorboard=false",
         "rollout.engine=sglang",
-        f"rollout.sglang_python={sglang_py}",
+        f"rollout.sglang.python={sglang_py}",
         "data.prompts_per_step=32",
         "rollout.sampling.n=16",
     ]
@@ -152,7 +152,7 @@ def test_fully_async_with_partial_rollouts_on_real_sglang(sglang_py, tmp_path, m
     ``weight_versions`` tell the staleness of every sample, and the loop trains on samples of two versions."""
     keys = [*LLAMA, f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=4", "trainer.eval_every=0"]
     keys += ["trainer.export_hf=false", "logging.tensorboard=false", "data.prompts_per_step=2", "rollout.sampling.n=4"]
-    keys += ["rollout.engine=sglang", f"rollout.sglang_python={sglang_py}", "rollout.sync.verify=true"]
+    keys += ["rollout.engine=sglang", f"rollout.sglang.python={sglang_py}", "rollout.sync.verify=true"]
     # 768 tokens per answer: a round cannot end between SGLang starting to decode it and the sync's pause
     keys += ["rollout.sampling.max_new_tokens=768", "rollout.sampling.min_new_tokens=768"]
     keys += ["model.hf_config.max_position_embeddings=1024"]

@@ -71,7 +71,9 @@ CASES = [
     ("nested unknown key", "nested_typo.yaml", lambda f: [], ["actor.optimizer.learning_rate", "valid keys"]),
     ("unknown key override", None, lambda f: ["rollout.sampling.temprature=1"], ["rollout.sampling.temprature"]),
     ("wrong type", None, lambda f: ["trainer.steps=abc"], ["trainer.steps", "expected int"]),
-    ("wrong literal", None, lambda f: ["rollout.engine=vllm"], ["rollout.engine", "'sglang', 'cpu'"]),
+    ("wrong literal", None, lambda f: ["rollout.sync.senders=all"], ["rollout.sync.senders", "'writers', 'rank0'"]),
+    ("unknown engine", None, lambda f: ["rollout.engine=vllm"], ["rollout.engine", "cpu, sglang", "package.module"]),
+    ("moved engine key", None, lambda f: ["rollout.sglang_args=[--x]"], ["rollout.sglang.args"]),
     ("negative steps", None, lambda f: ["trainer.steps=-1"], ["trainer.steps", ">= 1"]),
     ("override without =", None, lambda f: ["trainer.steps"], ["key.path=value"]),
     ("bad lr type", None, lambda f: ["actor.optimizer.lr=fast"], ["actor.optimizer.lr", "float"]),
@@ -135,8 +137,8 @@ CASES = [
     (
         "no SGLang interpreter",
         None,
-        lambda f: ["rollout.engine=sglang", "rollout.sglang_python=/nonexistent/bin/python"],
-        ["rollout.sglang_python", "/nonexistent/bin/python", "setup_sglang_cpu.sh"],
+        lambda f: ["rollout.engine=sglang", "rollout.sglang.python=/nonexistent/bin/python"],
+        ["rollout.sglang.python", "/nonexistent/bin/python", "setup_sglang_cpu.sh"],
     ),
     # rewards
     ("reward unknown", None, lambda f: ["reward.name=nosuch"], ["reward.name", "choose one of"]),
@@ -298,9 +300,9 @@ def test_the_machine_checks_follow_what_the_mode_starts_here(tmp_path, monkeypat
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     out = f"trainer.output_dir={tmp_path / 'out'}"
-    sglang = load_config(CONFIG, [out, "rollout.engine=sglang", "rollout.sglang_python=/nonexistent/python"])
+    sglang = load_config(CONFIG, [out, "rollout.engine=sglang", "rollout.sglang.python=/nonexistent/python"])
     check_machine(sglang, False, "train")
-    with pytest.raises(ConfigError, match="rollout.sglang_python"):
+    with pytest.raises(ConfigError, match="rollout.sglang.python"):
         check_machine(sglang, False, "full")
     attached = load_config(None, [out, "rollout.urls=[http://10.0.0.1:30000]"])
     check_machine(attached, True, "rollout")

@@ -206,13 +206,11 @@ def fake_role_group(log: Log):
         def onload(self, what=None):
             self._log("onload", what)
 
-        def compute_logprobs(self, batch, with_entropy=False):
+        def per_sample(self, op, batch, *extra):
             self._log("compute")
+            if op == "compute_values":
+                return {"values": [torch.zeros(n) for n in batch.response_lengths]}
             return self.last_logprobs(batch)
-
-        def compute_values(self, batch):
-            self._log("compute")
-            return {"values": [torch.zeros(n) for n in batch.response_lengths]}
 
         def last_logprobs(self, batch):
             out = {"logp": [torch.full((n,), -0.5) for n in batch.response_lengths]}

@@ -4,7 +4,6 @@ the argument checks, without loading a model)."""
 
 import asyncio
 import json
-import types
 
 import pytest
 import requests
@@ -17,8 +16,7 @@ from rlsys.rollout.client import EngineClient, EngineError
 from rlsys.rollout.cpu import server
 from rlsys.rollout.cpu.weights import decode_tensor_payload
 from rlsys.sync.buckets import Bucket, Bucketer
-from rlsys.sync.colocated import serialize_flattened_bucket
-from rlsys.sync.distributed import DistributedWeightSync
+from rlsys.sync.colocated import TensorTransport, serialize_flattened_bucket
 
 
 class StubEngine:
@@ -83,16 +81,16 @@ def sync_payload(bucket: Bucket) -> str:
 
 
 def send_as_the_sync(app: web.Application, payload: str, version: str = "1"):
-    """POST ``payload`` to ``app`` through the sync's own call (``_send_tensors``: EngineClient, JSON over
+    """POST ``payload`` to ``app`` through the sync's own call (``TensorTransport.update``: EngineClient, JSON over
     HTTP); the engine's reply, or the ``EngineError`` the sync would raise."""
-    sync = types.SimpleNamespace(version=version, timeout_s=120.0)
+    transport = TensorTransport([], calls=None, timeout_s=120.0)
 
     async def go():
         async with TestServer(app) as test_server:
             client = EngineClient(str(test_server.make_url("")))
             try:
                 return await asyncio.get_running_loop().run_in_executor(
-                    None, DistributedWeightSync._send_tensors, sync, client, [payload]
+                    None, transport.update, client, [payload], version
                 )
             except EngineError as e:
                 return e

@@ -7,21 +7,14 @@ import time
 import pytest
 
 from rlsys.config import RolloutConfig, load_config, releases_engine_memory
+from rlsys.config.resolve import engine_dtype
 from rlsys.errors import ConfigError
 from rlsys.local_ranks import cpu_flags, node_address
 from rlsys.plan import sync_transports
-from rlsys.rollout.launch import (
-    CPU_MAX_TOTAL_TOKENS,
-    _engine_command,
-    core_binding,
-    cpu_attention_backend,
-    engine_dtype,
-    engine_threads,
-    sglang_command,
-    sglang_cpu_env,
-    sglang_cpu_leftovers,
-    weight_peers,
-)
+from rlsys.rollout.cpu_launch import engine_threads, weight_peers
+from rlsys.rollout.launch import _engine_command
+from rlsys.rollout.sglang_env import core_binding, cpu_attention_backend, sglang_cpu_env, sglang_cpu_leftovers
+from rlsys.rollout.sglang_launch import CPU_MAX_TOTAL_TOKENS, sglang_command
 
 AMX = {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
 
@@ -42,7 +35,7 @@ def test_the_attention_backend_follows_the_checkpoints_head_size(tmp_path, monke
     import json
 
     monkeypatch.setattr("rlsys.rollout.sglang_env.cpu_flags", lambda: AMX)  # as on an AMX machine, wherever this runs
-    from rlsys.rollout.launch import attention_head_dims
+    from rlsys.rollout.sglang_env import attention_head_dims
 
     (tmp_path / "config.json").write_text(
         json.dumps(
@@ -112,9 +105,10 @@ def test_cpu_engine_threads_take_the_nodes_cores_unless_the_trainer_computes_mea
     cfg = load_config(None, ["rollout.engine=cpu", "rollout.num_engines=2"]).rollout
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
 
-    def threads(**kw):
-        cmd = [str(a) for a in _engine_command(False, cfg, "/m", "float32", 0, "cpu", 1, api_key=None, port=1, **kw)]
-        return int(cmd[cmd.index("--num-threads") + 1])
+    def threads(overlap=False, on_node=None):
+        common = dict(cfg=cfg, model_dir="/m", dtype="float32", seed=0, device="cpu", api_key=None, overlap=overlap)
+        cmd = _engine_command("cpu", common, 1, host="127.0.0.1", port=1, on_node=on_node)
+        return int([str(a) for a in cmd][cmd.index("--num-threads") + 1])
 
     assert threads() == 4  # two engines on this node: half the cores each
     assert threads(overlap=True) == 2
@@ -162,8 +156,8 @@ def test_cpu_sglang_command_carries_its_environment(tmp_path):
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "30001")
     segment = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_30001"  # sgl-kernel: _<uid>_<addr>_<port>
     assert sglang_cpu_leftovers(30001) == [segment, f"{segment}_*"]
-    with pytest.raises(ConfigError, match=r"rollout.sglang_env.MASTER_PORT.*rlsys sets it per server"):
-        load_config(None, ["rollout.engine=sglang", "rollout.sglang_env.MASTER_PORT=29500"])
+    with pytest.raises(ConfigError, match=r"rollout.sglang.env.MASTER_PORT.*rlsys sets it per server"):
+        load_config(None, ["rollout.engine=sglang", "rollout.sglang.env.MASTER_PORT=29500"])
     assert env["LD_PRELOAD"].split(":")[0] == str(venv / "lib" / "libiomp5.so")
     cmd = sglang_command(
         "/m",
@@ -228,7 +222,7 @@ def test_sync_transport_per_engine(overrides, want):
 
 
 def test_router_sends_the_workers_api_key():
-    from rlsys.rollout.launch import router_command
+    from rlsys.rollout.sglang_launch import router_command
 
     cmd = router_command(["http://10.0.0.1:1"], 2, api_key="k")
     assert cmd[cmd.index("--api-key") + 1] == "k"

@@ -23,17 +23,17 @@ def _get(cfg, key):
         (
             "configs/tiny-cpu-grpo.yaml",
             [],
-            [False, "fp32", "gloo", "per_bucket", "abort", "grpo", "ppo_clip"],
+            [False, "fp32", "gloo", "per_bucket", "abort", "grpo", "ppo_clip", "in_update"],
         ),
         (
             "configs/qwen3-8b-dapo.yaml",
             [],
-            [True, "bf16", "nccl", "flattened_bucket", "abort", "grpo", "ppo_clip"],
+            [True, "bf16", "nccl", "flattened_bucket", "abort", "grpo", "ppo_clip", "separate"],
         ),
         (  # fully-async partial rollouts that continue across a sync: retract; SGLang on CPU serves bf16
             "configs/tiny-cpu-fully-async-grpo.yaml",
             ["trainer.fully_async.partial_rollout=continue", "rollout.engine=sglang"],
-            [False, "bf16", "gloo", "flattened_bucket", "retract", "grpo", "ppo_clip"],
+            [False, "bf16", "gloo", "flattened_bucket", "retract", "grpo", "ppo_clip", "separate"],
         ),
         (  # what the user gave is kept
             "configs/qwen3-8b-dapo.yaml",
@@ -45,7 +45,7 @@ def _get(cfg, key):
                 "rollout.sync.pause_mode=abort",
                 "actor.offload=false",
             ],
-            [False, "fp16", "nccl", "per_tensor", "abort", "grpo", "gspo"],
+            [False, "fp16", "nccl", "per_tensor", "abort", "grpo", "gspo", "separate"],
         ),  # fmt: skip
     ],
 )

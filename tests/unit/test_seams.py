@@ -1,5 +1,6 @@
-"""The controller's declared seams (``rlsys.controller.seams``): ``Run`` holds one declared type per field, and
-every implementation the module docstring lists has every method of its Protocol, with the same parameters."""
+"""The declared seams (``rlsys.controller.seams``, ``rlsys.rollout.engine``, ``rlsys.config.transports``): ``Run``
+holds one declared type per field, and every implementation listed has every method of its Protocol, with the same
+parameters."""
 
 import dataclasses
 import inspect
@@ -7,6 +8,7 @@ import inspect
 import pytest
 
 from rlsys.algorithms import AdaptiveKLController, FixedKLController
+from rlsys.config.transports import BucketTransport
 from rlsys.controller import seams
 from rlsys.controller.ahead import AheadRollout
 from rlsys.controller.checkpoints import Checkpoints, NoCheckpoints
@@ -14,13 +16,21 @@ from rlsys.controller.replay import Replay
 from rlsys.controller.run import Run
 from rlsys.controller.stream import StreamRollout
 from rlsys.controller.weights import EngineSync, NoSync
+from rlsys.rollout import engine
 from rlsys.rollout.batch import EngineRollout
+from rlsys.rollout.client import EngineClient
+from rlsys.sync.colocated import TensorTransport
 
 IMPLEMENTATIONS = {
     seams.BatchSource: [EngineRollout, AheadRollout, StreamRollout, Replay],
     seams.EngineUpdates: [EngineSync, NoSync],
     seams.CheckpointStore: [Checkpoints, NoCheckpoints],
     seams.KLController: [AdaptiveKLController, FixedKLController],
+    # the engine API by caller (rlsys.rollout.engine) and the weight transports (rlsys.config.transports)
+    engine.Generation: [EngineClient],
+    engine.EngineControl: [EngineClient],
+    engine.WeightReceiver: [EngineClient],
+    BucketTransport: [TensorTransport],
 }
 
 

@@ -13,11 +13,11 @@ from rlsys.errors import ConfigError
 from rlsys.rollout import protocol
 from rlsys.rollout.in_sglang import loader as loader_module
 from rlsys.rollout.in_sglang.loader import SHADOW, RlsysLoads, arm, finish
-from rlsys.rollout.launch import loader_args, loader_path
 from rlsys.rollout.protocol import CUSTOM_LOADER_FLAG as FLAG
 from rlsys.rollout.protocol import LOADER_ARM as ARM
 from rlsys.rollout.protocol import LOADER_FINISH as FINISH
 from rlsys.rollout.protocol import require_rlsys_loader
+from rlsys.rollout.sglang_env import loader_args, loader_path
 from rlsys.sync.delta import DeltaEncoder
 from rlsys.sync.parts import part_name
 

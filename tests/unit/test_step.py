@@ -58,7 +58,8 @@ class FakeGroup:
     def __init__(self):
         self.updates, self.synced, self.dp, self.passes = [], [], 1, 0
 
-    def compute_logprobs(self, batch, with_entropy=False):
+    def per_sample(self, op, batch, with_entropy=False):
+        assert op == "compute_logprobs", op
         self.passes += 1
         return self.last_logprobs(batch, with_entropy)
 

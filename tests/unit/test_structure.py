@@ -167,3 +167,81 @@ def test_no_utils_module_and_no_stdlib_shadowing():
     assert not names & {"utils", "util", "helpers", "misc"}
     top = {p.stem if p.is_file() else p.name for p in ROOT.iterdir() if p.suffix == ".py" or p.is_dir()}
     assert not top & set(sys.stdlib_module_names)
+
+
+MAX_PUBLIC_METHODS = 12
+# Classes that mirror an HTTP API, one method per endpoint; their callers hold them through narrower Protocols.
+WIRE_APIS = {
+    "EngineClient": "SGLang's HTTP API; callers see rlsys.rollout.engine's Generation, EngineControl, WeightReceiver",
+    "CPUEngine": "the server side of the same API, one handler per endpoint",
+}
+
+
+def _classes() -> dict[str, tuple[str, list[str], list[str]]]:
+    found = {}
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                own = [f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+                bases = [ast.unparse(b).rpartition(".")[2] for b in node.bases]
+                found[node.name] = (name, [m for m in own if not m.startswith("_")], bases)
+    return found
+
+
+def test_classes_keep_a_small_public_interface():
+    """Public methods, inherited ones from rlsys's own bases included: a class whose interface outgrows a reader is
+    several concepts (split by who calls what, as ``rlsys.rollout.engine``'s Protocols split the engine API)."""
+    classes = _classes()
+
+    def public(cls: str, seen: tuple = ()) -> set[str]:
+        if cls not in classes or cls in seen:
+            return set()
+        _, own, bases = classes[cls]
+        return set(own).union(*(public(b, (*seen, cls)) for b in bases))
+
+    large = {f"{classes[c][0]}.{c}": len(public(c)) for c in classes if c not in WIRE_APIS}
+    assert {c: n for c, n in large.items() if n > MAX_PUBLIC_METHODS} == {}
+
+
+def test_no_module_asks_which_engine_runs():
+    """What an engine can do is declared once (``rlsys.config.engines``); a comparison of ``...engine`` with a name
+    is a branch a new engine would have to find."""
+    asks = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                named = any(isinstance(s, ast.Attribute) and s.attr == "engine" for s in sides)
+                if named and any(isinstance(s, ast.Constant) and isinstance(s.value, str) for s in sides):
+                    asks.append(f"{name}:{node.lineno}")
+    assert asks == []
+
+
+# Where an ``auto`` is still decided at run time, and from what only exists then (rlsys.config.resolve says so too).
+DECIDED_AT_RUN_TIME = {
+    "rlsys.sync.distributed": "sync.shards: the engines' answer at connect; weight_dtype 'auto' is the served dtype",
+    "rlsys.telemetry.progress": "logging.progress: whether the stream it writes to is a terminal",
+    "rlsys.envs.tool_calls": "the multi-turn tool format: the tokenizer's chat template",
+    "rlsys.rewards.manager": "reward.executor: the reward function's own declaration",
+    "rlsys.rollout.cpu.server": "the CPU engine server's own --dtype flag, not a config key",
+}
+DECIDES = {"rlsys.config.resolve", "rlsys.config.rules"}  # the resolve step, and the rules that check its inputs
+
+
+def _names_auto(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant):
+        return node.value == "auto"
+    return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(_names_auto(e) for e in node.elts)
+
+
+def test_no_auto_is_read_outside_the_resolve_step():
+    """Every ``auto`` of the config is decided once (``rlsys.config.resolve``), so what a run uses is printed by
+    ``rlsys plan`` and kept in ``resolved.yaml``; components receive decided values."""
+    reads = []
+    for name, path in MODULES.items():
+        if name in DECIDES or name in DECIDED_AT_RUN_TIME:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(_names_auto(s) for s in [node.left, *node.comparators]):
+                reads.append(f"{name}:{node.lineno}")
+    assert reads == []

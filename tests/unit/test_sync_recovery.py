@@ -56,5 +56,5 @@ def test_every_sync_setting_reaches_the_weight_sync():
     from rlsys.sync.distributed import DistributedWeightSync
 
     taken = set(inspect.signature(DistributedWeightSync.__init__).parameters)
-    resolved_per_run = {"transport"}  # rlsys.plan.sync_transports picks each engine's: the transports argument
+    resolved_per_run = {"transport"}  # resolve.sync_transports picks each engine's: the transports argument
     assert {f.name for f in dataclasses.fields(SyncConfig)} - resolved_per_run <= taken
