@@ -35,7 +35,20 @@ setup(
         "wandb": ["wandb>=0.17"],
         # Reading GGUF files (rlsys.convert.gguf: transformers' GGUF loader needs both).
         "gguf": ["gguf>=0.10", "accelerate"],
-        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5", "ruff", "gguf>=0.10", "accelerate", "openai>=1.40"],
+        "dev": [
+            "pytest>=8",
+            "pytest-timeout",
+            "pytest-xdist>=3.5",
+            "ruff",
+            "gguf>=0.10",
+            "accelerate",
+            "openai>=1.40",
+            # the documentation site (make docs); pinned, since --strict turns a new release's warnings into failures
+            "mkdocs==1.6.1",
+            "mkdocs-material==9.8.2",
+            "mkdocstrings[python]==1.0.8",
+            "mkdocstrings-python==2.0.11",
+        ],
     },
     entry_points={"console_scripts": ["rlsys=rlsys.cli:main"]},
 )
