@@ -1,4 +1,4 @@
-"""RL mathematics as pure tensor functions (see the README's algorithm table).
+"""RL mathematics as pure tensor functions (see docs/concepts/algorithms.md).
 
 Tensors are ``[batch, seq]`` over response tokens with a 0/1 ``mask``; per-sequence values
 are ``[batch]``. Only ``vocab_parallel`` touches torch.distributed (the TP group's all-reduces).
@@ -26,6 +26,7 @@ from rlsys.algorithms.aggregate import AGG_MODES, aggregate, masked_mean, valid_
 from rlsys.algorithms.filters import (
     DynamicSampler,
     DynamicSamplingExhausted,
+    GroupFilter,
     as_group_index,
     groups_with_variance,
     overlong_penalty,
@@ -44,6 +45,7 @@ __all__ = [
     "DynamicSampler",
     "DynamicSamplingExhausted",
     "FixedKLController",
+    "GroupFilter",
     "aggregate",
     "as_group_index",
     "broadcast_to_tokens",

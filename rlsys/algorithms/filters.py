@@ -100,6 +100,46 @@ class DynamicSamplingExhausted(RuntimeError):
     """``max_rounds`` generation rounds did not yield ``target_groups`` groups with reward variance."""
 
 
+class GroupFilter:
+    """DAPO's dynamic-sampling filter, the one the synchronous sampler (``DynamicSampler``) and the fully-async stream
+    (``rlsys.controller.stream``) share: which groups of a round have reward variance, and the counts behind the
+    ``dynamic_sampling/*`` metrics (rounds, groups seen, groups dropped) since the last ``metrics`` call."""
+
+    def __init__(self) -> None:
+        self.rounds = self.seen = self.dropped = 0
+
+    def add_round(self, scores: torch.Tensor, group_ids: GroupIds, atol: float = 0.0) -> list[bool]:
+        """One round's samples: whether each one's group has reward variance (a whole group is kept or not)."""
+        scores = torch.as_tensor(scores)
+        keep = groups_with_variance(scores, group_ids, atol).tolist() if len(scores) else []
+        index = as_group_index(group_ids, len(keep)).tolist() if keep else []
+        groups = max(index) + 1 if index else 0
+        self.rounds += 1
+        self.seen += groups
+        self.dropped += groups - len({g for g, k in zip(index, keep) if k})
+        return keep
+
+    def metrics(self, kept: int, surplus: int | None = None) -> dict[str, float]:
+        """The counts since the last call, and ``kept`` groups taken (``surplus``: groups with variance discarded
+        beyond the target); resets the counts. Python floats (host-side counts)::
+
+            dynamic_sampling/kept_groups     groups taken
+            dynamic_sampling/dropped_groups  groups without reward variance
+            dynamic_sampling/surplus_groups  groups with variance beyond the target, discarded (synchronous only)
+            dynamic_sampling/seen_groups     all groups of the rounds
+            dynamic_sampling/rounds          rounds
+            dynamic_sampling/kept_fraction   groups with variance / seen groups (1 - dropped / seen)
+        """
+        out = {"dynamic_sampling/kept_groups": float(kept), "dynamic_sampling/dropped_groups": float(self.dropped)}
+        if surplus is not None:
+            out["dynamic_sampling/surplus_groups"] = float(surplus)
+        out["dynamic_sampling/seen_groups"] = float(self.seen)
+        out["dynamic_sampling/rounds"] = float(self.rounds)
+        out["dynamic_sampling/kept_fraction"] = (self.seen - self.dropped) / max(self.seen, 1)
+        self.rounds = self.seen = self.dropped = 0
+        return out
+
+
 class DynamicSampler:
     """DAPO dynamic sampling: accumulate groups with reward variance until there are ``target_groups``.
 
@@ -129,7 +169,11 @@ class DynamicSampler:
 
     def _reset(self) -> None:
         self.groups: list[list[Any]] = []
-        self.rounds = self.seen_groups = self.dropped_groups = 0
+        self.filter = GroupFilter()
+
+    @property
+    def rounds(self) -> int:
+        return self.filter.rounds
 
     @property
     def done(self) -> bool:
@@ -148,29 +192,17 @@ class DynamicSampler:
         scores = torch.as_tensor(scores)
         if scores.shape != (len(items),):
             raise ValueError(f"scores must have shape [{len(items)}] (one per item), got {tuple(scores.shape)}")
-        keep = groups_with_variance(scores, group_ids, atol).tolist()
+        keep = self.filter.add_round(scores, group_ids, atol)
         index = as_group_index(group_ids, len(items)).tolist()
         round_groups: dict[int, list[Any]] = {}
         for item, g, k in zip(items, index, keep):
             if k:
                 round_groups.setdefault(g, []).append(item)
-        num_groups = max(index) + 1 if index else 0
-        self.rounds += 1
-        self.seen_groups += num_groups
-        self.dropped_groups += num_groups - len(round_groups)
         self.groups.extend(round_groups.values())  # dicts keep insertion (= first-seen) order
         return len(round_groups)
 
     def take(self) -> tuple[list[list[Any]], dict[str, float]]:
-        """``(groups, metrics)``; see the class docstring. Metrics are python floats (host-side counts)::
-
-        dynamic_sampling/kept_groups     groups returned
-        dynamic_sampling/dropped_groups  groups without reward variance
-        dynamic_sampling/surplus_groups  groups with variance beyond target_groups, discarded
-        dynamic_sampling/seen_groups     all groups added
-        dynamic_sampling/rounds          add() calls
-        dynamic_sampling/kept_fraction   groups with variance / seen groups (1 - dropped / seen)
-        """
+        """``(groups, metrics)``; see the class docstring and ``GroupFilter.metrics``."""
         if not self.done:
             if not self.exhausted:
                 raise RuntimeError(
@@ -178,20 +210,14 @@ class DynamicSampler:
                     f"{self.max_rounds} rounds; keep calling add() until done or exhausted"
                 )
             if self.on_exhausted == "error":
+                f = self.filter
                 raise DynamicSamplingExhausted(
                     f"dynamic sampling kept only {len(self.groups)} of {self.target_groups} groups with reward "
-                    f"variance after {self.rounds} rounds ({self.dropped_groups} of {self.seen_groups} groups had "
+                    f"variance after {f.rounds} rounds ({f.dropped} of {f.seen} groups had "
                     "identical rewards); increase algorithm.filters.dynamic_sampling.max_rounds or the prompt "
                     "batch size"
                 )
         groups, surplus = self.groups[: self.target_groups], self.groups[self.target_groups :]
-        metrics = {
-            "dynamic_sampling/kept_groups": float(len(groups)),
-            "dynamic_sampling/dropped_groups": float(self.dropped_groups),
-            "dynamic_sampling/surplus_groups": float(len(surplus)),
-            "dynamic_sampling/seen_groups": float(self.seen_groups),
-            "dynamic_sampling/rounds": float(self.rounds),
-            "dynamic_sampling/kept_fraction": (self.seen_groups - self.dropped_groups) / max(self.seen_groups, 1),
-        }
+        metrics = self.filter.metrics(len(groups), surplus=len(surplus))
         self._reset()
         return groups, metrics

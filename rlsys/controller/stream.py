@@ -34,6 +34,7 @@ generated again, from the same prompts).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlsys.algorithms import DynamicSamplingExhausted, groups_with_variance
+from rlsys.algorithms import DynamicSamplingExhausted, GroupFilter
 from rlsys.controller.metrics import Timer
 from rlsys.controller.replay import load_rollout, save_rollout
 from rlsys.host_threads import single_threaded
@@ -98,7 +99,7 @@ class StreamRollout:
         self.error: BaseException | None = None
         self.rounds = 0  # rounds generated so far
         self.busy = Timer()  # the producer's rollout and reward time since the last step took its groups
-        self.counts = {"rounds": 0, "seen": 0, "no_variance": 0}  # since the last step
+        self.filter = GroupFilter()  # DAPO: the groups kept, and the rounds since the last step
         self.thread: threading.Thread | None = None
         if cfg.partial_rollout == "abort":
             source.regenerate_aborted = True
@@ -143,13 +144,16 @@ class StreamRollout:
         """Queue a round's groups (DAPO: those with reward variance); called under the lock."""
         for key, value in spent.items():
             self.busy[key] = self.busy.get(key, 0.0) + value
-        self.counts["rounds"] += 1
-        self.counts["seen"] += len(groups)
-        for g in groups:
-            if self.ds.enabled and not bool(groups_with_variance(torch.tensor(g.scores), [0] * len(g.scores))[0]):
-                self.counts["no_variance"] += 1
-                continue
-            self.queue.append(g)
+        self.queue.extend(g for g, keep in zip(groups, self._kept(groups)) if keep)
+
+    def _kept(self, groups: list[Group]) -> list[bool]:
+        if not self.ds.enabled or not groups:
+            return [True] * len(groups)
+        keep = self.filter.add_round(
+            torch.tensor([s for g in groups for s in g.scores]), [i for i, g in enumerate(groups) for _ in g.scores]
+        )
+        firsts = itertools.accumulate([0, *(len(g.scores) for g in groups[:-1])])
+        return [keep[first] for first in firsts]
 
     # ---------------------------------------------------------------- the trainer's side
 
@@ -160,7 +164,7 @@ class StreamRollout:
         taken: list[Group] = []
         stale = 0
         with timer("rollout_wait"), self.cond:
-            waited_from = self.counts["rounds"]
+            waited_from = self.filter.rounds
             while len(taken) < self.batch_size:
                 self.cond.wait_for(lambda: self.queue or self.error is not None or self._exhausted(waited_from))
                 if self.error is not None:
@@ -187,18 +191,17 @@ class StreamRollout:
                 taken.append(group)
             self.finished = bool(self.last_step) and step >= self.last_step  # no round after the last step's
             busy, self.busy = self.busy, Timer()
-            counts, self.counts = self.counts, {"rounds": 0, "seen": 0, "no_variance": 0}
+            ds_metrics = self.filter.metrics(len(taken)) if self.ds.enabled else {}
             depth = len(self.queue)
         for phase in ("time/rollout_s", "time/reward_s"):  # 0 when every group came from a checkpoint's queue
             timer[phase] = busy.get(phase, 0.0)
         batch = join_groups(taken)
         batch.metrics.update(stream_metrics(step, taken, self.cfg.max_staleness, stale, depth))
-        if self.ds.enabled:
-            batch.metrics.update(dynamic_sampling_metrics(counts, len(taken)))
+        batch.metrics.update(ds_metrics)
         return batch
 
     def _exhausted(self, since: int) -> bool:
-        return self.ds.enabled and self.counts["rounds"] - since >= self.ds.max_rounds
+        return self.ds.enabled and self.filter.rounds - since >= self.ds.max_rounds
 
     @contextmanager
     def around_sync(self, timer: Timer):
@@ -324,14 +327,3 @@ def stream_metrics(step: int, groups: list[Group], bound: int, stale: int, depth
         out["rollout/weight_version"] = float(step - max(ages))  # the oldest a token was sampled with
         out |= {f"async/staleness_hist/{k}": sum(a == k for a in ages) / len(ages) for k in range(bound + 1)}
     return out
-
-
-def dynamic_sampling_metrics(counts: dict, kept: int) -> dict:
-    seen = counts["seen"]
-    return {
-        "dynamic_sampling/kept_groups": float(kept),
-        "dynamic_sampling/dropped_groups": float(counts["no_variance"]),
-        "dynamic_sampling/seen_groups": float(seen),
-        "dynamic_sampling/rounds": float(counts["rounds"]),
-        "dynamic_sampling/kept_fraction": (seen - counts["no_variance"]) / max(seen, 1),
-    }

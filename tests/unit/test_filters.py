@@ -6,6 +6,7 @@ import torch
 from rlsys.algorithms.filters import (
     DynamicSampler,
     DynamicSamplingExhausted,
+    GroupFilter,
     as_group_index,
     groups_with_variance,
     overlong_penalty,
@@ -162,3 +163,20 @@ def test_dynamic_sampling_takes_uneven_groups_as_agent_rollouts_give_them():
     sampler.add(["q5a", "q5b"], torch.tensor([0.0, 1.0]), [5, 5])
     groups, metrics = sampler.take()
     assert groups == [["p0a", "p0b", "p0c"], ["q5a", "q5b"]]
+
+
+def test_group_filter_keeps_whole_groups_with_variance_and_counts_since_the_last_metrics():
+    """The one filter of the synchronous sampler and the fully-async stream (``rlsys.controller.stream``)."""
+    f = GroupFilter()
+    # groups a: (1, 1) no variance; b: (0, 1) kept; c: (2,) a single sample has none
+    assert f.add_round(torch.tensor([1.0, 1.0, 0.0, 1.0, 2.0]), ["a", "a", "b", "b", "c"]) == [0, 0, 1, 1, 0]
+    assert f.add_round(torch.tensor([0.0, 0.5]), [0, 0]) == [1, 1]
+    assert f.metrics(kept=2) == {
+        "dynamic_sampling/kept_groups": 2.0,
+        "dynamic_sampling/dropped_groups": 2.0,
+        "dynamic_sampling/seen_groups": 4.0,
+        "dynamic_sampling/rounds": 2.0,
+        "dynamic_sampling/kept_fraction": 0.5,
+    }
+    assert f.metrics(kept=0)["dynamic_sampling/rounds"] == 0.0  # counted from the last call
+    assert f.add_round(torch.tensor([]), []) == [] and f.rounds == 1  # an empty round still counts
