@@ -174,15 +174,3 @@ def run_on_ranks(fn, world: int, device: str, *args) -> None:
                 with open(error_path) as f:
                     raise UserError(f.readline().strip()) from None
             raise
-
-
-def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
-    """The instruction-set flags of this machine's CPU (empty where /proc/cpuinfo has none)."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()

@@ -37,9 +37,11 @@ class Engine:
     health_timeout_s: float = 300.0  # how long its start may take
     log_name: str = "engine"  # its log files' and processes' name
     cpu_leftovers: str | None = None  # package.module:function of the port: what a server on CPU leaves behind
+    cpu_flags: tuple[str, ...] = ()  # the instruction-set flags it needs on CPU (rollout.engine: auto checks them)
+    package: str | None = None  # what its interpreter must be able to import (rollout.engine: auto checks it)
 
 
-ENGINES = {
+ENGINES = {  # in the order rollout.engine: auto prefers them
     "sglang": Engine(
         "sglang",
         launcher="rlsys.rollout.sglang_launch:sglang_engine",
@@ -49,6 +51,8 @@ ENGINES = {
         router="rlsys.rollout.sglang_launch:engine_router",
         cpu_leftovers="rlsys.rollout.sglang_env:sglang_cpu_leftovers",
         interpreter="rollout.sglang.python",
+        cpu_flags=("avx512f", "avx512_bf16"),  # sgl-kernel's CPU build
+        package="sglang",
         health_timeout_s=900.0,  # compiles and captures at start
         log_name="sglang",
     ),

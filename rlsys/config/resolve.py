@@ -7,6 +7,7 @@ what (each function says why):
 =================================  ===========================================================================
 key                                decided from
 =================================  ===========================================================================
+``rollout.engine``                 SGLang where it runs here, else rlsys's CPU engine (the reason logged)
 ``rollout.release_memory``         colocated CUDA engines rlsys launches release memory while the trainer runs
 ``rollout.dtype``                  the trainer's dtype; on CPU the engine's own (``rlsys.config.engines``)
 ``rollout.sync.backend``           nccl on CUDA, gloo on CPU
@@ -27,15 +28,23 @@ a reward's executor (its function's declaration).
 from __future__ import annotations
 
 import copy
+import functools
+import logging
+import shutil
+import subprocess
 
-from rlsys.config.engines import engine
+from rlsys.config.engines import ENGINES, Engine, engine
 from rlsys.config.registry import estimator_name, policy_loss_name
 from rlsys.config.schema import RolloutConfig, RunConfig
 from rlsys.config.transports import transport_class
+from rlsys.cpu_flags import cpu_flags
 from rlsys.errors import ConfigError
 from rlsys.ipc_allocator import refuse_expandable_segments
 
+logger = logging.getLogger("rlsys.config")
+
 RESOLVED_KEYS = (
+    "rollout.engine",
     "rollout.release_memory",
     "rollout.dtype",
     "rollout.sync.backend",
@@ -48,18 +57,59 @@ RESOLVED_KEYS = (
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
-    """A copy of ``cfg`` with every key of ``RESOLVED_KEYS`` decided (a given value is kept)."""
+    """A copy of ``cfg`` with every key of ``RESOLVED_KEYS`` decided (a given value is kept). The engine first:
+    the other decisions read what it declares."""
     out = copy.deepcopy(cfg)
+    out.rollout.engine = rollout_engine(cfg)
     r, s = out.rollout, out.rollout.sync
-    r.release_memory = releases_engine_memory(cfg)
-    r.dtype = engine_dtype(cfg.rollout, cfg.model.dtype, cfg.cluster.device)
-    s.backend = sync_backend(cfg)
-    s.load_format = sync_load_format(cfg)
-    s.pause_mode = sync_pause_mode(cfg)
-    out.algorithm.advantage.estimator = estimator_name(cfg.algorithm)
-    out.algorithm.loss.policy_loss = policy_loss_name(cfg.algorithm)
-    out.algorithm.schedule.old_logprob_pass = old_logprob_pass(cfg)
+    r.release_memory = releases_engine_memory(out)
+    r.dtype = engine_dtype(out.rollout, out.model.dtype, out.cluster.device)
+    s.backend = sync_backend(out)
+    s.load_format = sync_load_format(out)
+    s.pause_mode = sync_pause_mode(out)
+    out.algorithm.advantage.estimator = estimator_name(out.algorithm)
+    out.algorithm.loss.policy_loss = policy_loss_name(out.algorithm)
+    out.algorithm.schedule.old_logprob_pass = old_logprob_pass(out)
     return out
+
+
+def rollout_engine(cfg) -> str:
+    """``rollout.engine``. ``auto``: the first engine of ``rlsys.config.engines.ENGINES`` that runs here: SGLang
+    on CUDA, or attached (``rollout.urls``: their API is SGLang's either way); on CPU where the CPU has what its
+    kernels need (AVX-512 with BF16), its interpreter (``rollout.sglang.python``) imports it and the run asks for
+    nothing it lacks there (R3's routed experts). Otherwise rlsys's CPU engine, with the reason logged."""
+    r = cfg.rollout
+    if r.engine != "auto":
+        return r.engine
+    if cfg.cluster.device == "cuda" or r.urls:
+        return next(iter(ENGINES))
+    reasons = []
+    for name, e in ENGINES.items():
+        missing = _missing_on_cpu(cfg, e)
+        if missing is None:
+            if reasons:
+                logger.warning("rollout.engine auto: %s, since %s", name, "; ".join(reasons))
+            return name
+        reasons.append(f"{name} cannot run here ({missing})")
+    raise ConfigError("rollout.engine", f"auto finds no engine for this machine: {'; '.join(reasons)}")
+
+
+def _missing_on_cpu(cfg, e: Engine) -> str | None:
+    """Why engine ``e`` cannot serve this run on this CPU machine, or None."""
+    flags = cpu_flags()
+    if lacking := [f for f in e.cpu_flags if f not in flags]:
+        return f"this CPU lacks {', '.join(lacking)}"
+    if cfg.algorithm.router_replay == "R3" and not e.routed_experts_on_cpu:
+        return "algorithm.router_replay R3 needs routed experts, which it cannot return on CPU"
+    if e.interpreter:
+        python = functools.reduce(getattr, e.interpreter.split(".")[1:], cfg.rollout)
+        found = shutil.which(python)
+        if found is None:
+            return f"{e.interpreter} {python!r} is not an executable"
+        probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({e.package!r}) is None)"
+        if e.package and subprocess.run([found, "-c", probe], capture_output=True, timeout=60).returncode != 0:
+            return f"{e.interpreter} {python!r} cannot import {e.package}"
+    return None
 
 
 def releases_engine_memory(cfg) -> bool:

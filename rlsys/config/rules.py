@@ -22,8 +22,11 @@ from rlsys.config.schema import (
 from rlsys.errors import ConfigError
 
 
-def rollout_engine(r) -> Engine:
-    """``rollout.engine``'s ``Engine`` (``rlsys.config.engines``), or the ``ConfigError`` saying why there is none."""
+def rollout_engine(r) -> Engine | None:
+    """``rollout.engine``'s ``Engine`` (``rlsys.config.engines``), or the ``ConfigError`` saying why there is none;
+    None for ``auto``, which the resolve step decides from what each engine can do."""
+    if r.engine == "auto":
+        return None
     try:
         return engine(r.engine)
     except ValueError as e:
@@ -78,7 +81,7 @@ def _check_router_replay(cfg: RunConfig) -> None:
     if mode == "R3":
         r = cfg.rollout
         _need(
-            rollout_engine(r).routed_experts_on_cpu or cfg.cluster.device != "cpu",
+            getattr(rollout_engine(r), "routed_experts_on_cpu", True) or cfg.cluster.device != "cpu",
             "rollout.engine",
             r.engine,
             "R3 needs the engine's routed experts, and this engine cannot return them on CPU (SGLang 0.5.23's "

@@ -172,8 +172,9 @@ class SGLangConfig:
 
 @dataclass
 class RolloutConfig:
-    # sglang; cpu: rlsys's engine on transformers (slow; for tests and machines without SGLang); or a user's
-    # package.module:NAME, an rlsys.config.engines.Engine
+    # sglang; cpu: rlsys's engine on transformers (slow; for tests and machines without SGLang); auto: SGLang where
+    # it runs here, else cpu (rlsys.config.resolve.rollout_engine); or a user's package.module:NAME, an
+    # rlsys.config.engines.Engine
     engine: str = "sglang"
     tp: int = 1  # tensor parallel size of each engine
     num_engines: int = 1  # engines launched; each takes tp devices

@@ -10,8 +10,8 @@ import platform
 import tempfile
 from collections.abc import Sequence
 
+from rlsys.cpu_flags import cpu_flags
 from rlsys.errors import ConfigError
-from rlsys.local_ranks import cpu_flags
 from rlsys.rollout.protocol import CUSTOM_LOADER_FLAG, LOADERS
 
 

@@ -207,7 +207,7 @@ def cpu_packs_linear_weights() -> bool:
     """Whether SGLang's CPU backend packs linear weights here: it does whenever the CPU has AMX
     (``cpu_has_amx_support``), whatever the attention backend. Read from this machine's CPU: a CPU engine on
     another node is assumed to be of the same model."""
-    from rlsys.local_ranks import cpu_flags
+    from rlsys.cpu_flags import cpu_flags
 
     return {"amx_bf16", "amx_tile"} <= cpu_flags()
 

@@ -8,8 +8,9 @@ import pytest
 
 from rlsys.config import RolloutConfig, load_config, releases_engine_memory
 from rlsys.config.resolve import engine_dtype
+from rlsys.cpu_flags import cpu_flags
 from rlsys.errors import ConfigError
-from rlsys.local_ranks import cpu_flags, node_address
+from rlsys.local_ranks import node_address
 from rlsys.plan import sync_transports
 from rlsys.rollout.cpu_launch import engine_threads, weight_peers
 from rlsys.rollout.launch import _engine_command

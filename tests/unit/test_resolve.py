@@ -2,6 +2,7 @@
 config and keeps what the user gave; the resolved tree loads back to itself; ``rlsys plan`` and the run show it."""
 
 import dataclasses
+import sys
 
 import pytest
 
@@ -23,17 +24,17 @@ def _get(cfg, key):
         (
             "configs/tiny-cpu-grpo.yaml",
             [],
-            [False, "fp32", "gloo", "per_bucket", "abort", "grpo", "ppo_clip", "in_update"],
+            ["cpu", False, "fp32", "gloo", "per_bucket", "abort", "grpo", "ppo_clip", "in_update"],
         ),
         (
             "configs/qwen3-8b-dapo.yaml",
             [],
-            [True, "bf16", "nccl", "flattened_bucket", "abort", "grpo", "ppo_clip", "separate"],
+            ["sglang", True, "bf16", "nccl", "flattened_bucket", "abort", "grpo", "ppo_clip", "separate"],
         ),
         (  # fully-async partial rollouts that continue across a sync: retract; SGLang on CPU serves bf16
             "configs/tiny-cpu-fully-async-grpo.yaml",
             ["trainer.fully_async.partial_rollout=continue", "rollout.engine=sglang"],
-            [False, "bf16", "gloo", "flattened_bucket", "retract", "grpo", "ppo_clip", "separate"],
+            ["sglang", False, "bf16", "gloo", "flattened_bucket", "retract", "grpo", "ppo_clip", "separate"],
         ),
         (  # what the user gave is kept
             "configs/qwen3-8b-dapo.yaml",
@@ -45,7 +46,7 @@ def _get(cfg, key):
                 "rollout.sync.pause_mode=abort",
                 "actor.offload=false",
             ],
-            [False, "fp16", "nccl", "per_tensor", "abort", "grpo", "gspo", "separate"],
+            ["sglang", False, "fp16", "nccl", "per_tensor", "abort", "grpo", "gspo", "separate"],
         ),  # fmt: skip
     ],
 )
@@ -70,3 +71,30 @@ def test_rlsys_plan_prints_the_decided_values(capsys):
         assert line in resolved, line
     cfg = load_config("configs/qwen3-8b-dapo.yaml")
     assert dump_yaml(cfg) in out and dataclasses.is_dataclass(cfg)
+
+
+def test_auto_engine_is_sglang_where_it_runs_here_and_says_why_not(tmp_path, monkeypatch, caplog):
+    """``rollout.engine: auto`` (``rlsys.config.resolve.rollout_engine``): SGLang on CUDA; on CPU only with the
+    flags its kernels need and an interpreter that imports it, and not for R3; else the CPU engine, reason logged."""
+    amx = {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+    imports, refuses = tmp_path / "imports", tmp_path / "refuses"
+    for path, code in ((imports, 0), (refuses, 1)):  # an interpreter that finds sglang, and one that does not
+        path.write_text(f"#!/bin/sh\nexit {code}\n")
+        path.chmod(0o755)
+    cpu = ["rollout.engine=auto", "cluster.device=cpu"]
+
+    def chosen(flags, python, *extra):
+        monkeypatch.setattr(sys.modules["rlsys.config.resolve"], "cpu_flags", lambda: flags)  # the package's
+        # attribute of that name is the resolve function
+        caplog.clear()
+        return load_config(None, [*cpu, f"rollout.sglang.python={python}", *extra]).rollout.engine
+
+    with caplog.at_level("WARNING", logger="rlsys.config"):
+        assert chosen(amx, imports) == "sglang" and not caplog.records
+        assert chosen(amx, refuses) == "cpu" and f"{refuses}' cannot import sglang" in caplog.text
+        assert chosen({"avx2"}, imports) == "cpu" and "this CPU lacks avx512f, avx512_bf16" in caplog.text
+        assert chosen(amx, tmp_path / "missing") == "cpu" and "is not an executable" in caplog.text
+        assert chosen(amx, imports, "algorithm.router_replay=R3") == "cpu" and "routed experts" in caplog.text
+    assert load_config(None, ["rollout.engine=auto"]).rollout.engine == "sglang"  # CUDA
+    resolved = load_config(None, [*cpu, f"rollout.sglang.python={refuses}"])
+    assert resolved.rollout.sync.load_format == "per_bucket"  # the rest follows the chosen engine
