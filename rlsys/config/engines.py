@@ -2,7 +2,8 @@
 engine a run uses.
 
 An engine is a server speaking SGLang's HTTP API (``rlsys.rollout.client.EngineClient`` talks to it; the methods
-the controller and the sync call are the ``RolloutEngine`` Protocol of ``rlsys.rollout.engine``). Its ``Engine``
+the controller and the sync call are the ``Generation``, ``EngineControl`` and ``WeightReceiver`` Protocols of
+``rlsys.rollout.engine``). Its ``Engine``
 entry says how rlsys launches it (``launcher``: a ``package.module:function`` building one engine's command line,
 ``rlsys.rollout.engine.LaunchSpec`` -> argv and environment) and what it can do, which the rules, the resolve step,
 the plan and the launcher read instead of comparing names. A new engine is a module with a launcher and an

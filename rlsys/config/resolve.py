@@ -32,6 +32,7 @@ import functools
 import logging
 import shutil
 import subprocess
+import sys
 
 from rlsys.config.engines import ENGINES, Engine, engine
 from rlsys.config.registry import estimator_name, policy_loss_name
@@ -101,14 +102,19 @@ def _missing_on_cpu(cfg, e: Engine) -> str | None:
         return f"this CPU lacks {', '.join(lacking)}"
     if cfg.algorithm.router_replay == "R3" and not e.routed_experts_on_cpu:
         return "algorithm.router_replay R3 needs routed experts, which it cannot return on CPU"
-    if e.interpreter:
-        python = functools.reduce(getattr, e.interpreter.split(".")[1:], cfg.rollout)
-        found = shutil.which(python)
-        if found is None:
-            return f"{e.interpreter} {python!r} is not an executable"
+    key = e.interpreter or "rlsys's own python"
+    python = functools.reduce(getattr, e.interpreter.split(".")[1:], cfg.rollout) if e.interpreter else sys.executable
+    found = shutil.which(python)
+    if found is None:
+        return f"{key} {python!r} is not an executable"
+    if e.package:
         probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({e.package!r}) is None)"
-        if e.package and subprocess.run([found, "-c", probe], capture_output=True, timeout=60).returncode != 0:
-            return f"{e.interpreter} {python!r} cannot import {e.package}"
+        try:
+            imports = subprocess.run([found, "-c", probe], capture_output=True, timeout=60).returncode == 0
+        except (OSError, subprocess.TimeoutExpired) as err:
+            return f"{key} {python!r} did not answer whether it imports {e.package} ({err})"
+        if not imports:
+            return f"{key} {python!r} cannot import {e.package}"
     return None
 
 
@@ -201,6 +207,12 @@ def _transports(cfg: RunConfig) -> list[str]:
             transport_class(r.sync.transport)
         except ValueError as e:
             raise ConfigError("rollout.sync.transport", str(e).removeprefix("rollout.sync.transport: ")) from None
+        if r.sync.delta:
+            raise ConfigError(
+                "rollout.sync.delta",
+                f"a delta sync sends encoded changes that only rlsys's loaders decode, not {r.sync.transport}: "
+                "set rollout.sync.delta: false",
+            )
         return [r.sync.transport] * (len(r.urls) if r.urls else r.num_engines)
     if r.urls:  # attached engines: where they run is unknown, a group reaches them anywhere
         if r.sync.transport == "tensor":

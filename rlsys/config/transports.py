@@ -14,7 +14,8 @@
 The coordinator keeps what makes a sync safe whatever the transport: it pauses the engines, opens their sessions,
 orders the buckets (one in flight), agrees on failure over every trainer rank and closes, verifies and continues
 the engines after the last bucket. Writers send their buckets through rank 0 whenever a bucket transport is in
-use (it needs every byte on rank 0).
+use (it needs every byte on rank 0). Under ``rollout.sync.delta`` a bucket holds encoded changes that only rlsys's
+loaders decode, so a user's transport is refused with it (``rlsys.config.resolve.sync_transports``).
 
 Kept free of torch: ``rlsys plan`` checks the name without building a sync (a user's class is imported to check
 that it exists).

@@ -147,13 +147,13 @@ class StreamRollout:
         self.queue.extend(g for g, keep in zip(groups, self._kept(groups)) if keep)
 
     def _kept(self, groups: list[Group]) -> list[bool]:
-        if not self.ds.enabled or not groups:
+        if not self.ds.enabled:
             return [True] * len(groups)
         keep = self.filter.add_round(
             torch.tensor([s for g in groups for s in g.scores]), [i for i, g in enumerate(groups) for _ in g.scores]
         )
         firsts = itertools.accumulate([0, *(len(g.scores) for g in groups[:-1])])
-        return [keep[first] for first in firsts]
+        return [keep[first] for first in firsts] if groups else []
 
     # ---------------------------------------------------------------- the trainer's side
 

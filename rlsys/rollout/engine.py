@@ -4,8 +4,9 @@ launched.
 Every engine rlsys drives serves SGLang's HTTP API (``rlsys.rollout.client.EngineClient`` speaks it; rlsys's CPU
 engine mirrors it). The calls are grouped by who makes them, each a Protocol: ``Generation`` (the rollout),
 ``EngineControl`` (the loop and the colocated turns: pause, release) and ``WeightReceiver`` (the weight sync);
-``EngineClient`` is all three. An engine speaking another API (vLLM's, say) is a client class with these methods
-and an ``Engine`` entry (``rlsys.config.engines``) naming its launcher.
+``EngineClient`` is all three. An engine speaking SGLang's API is an ``Engine`` entry (``rlsys.config.engines``)
+naming its launcher; one speaking another API (vLLM's, say) would also need a client class with these methods,
+which no config key selects yet (``EngineClient`` is built by the pool and the sync).
 
 A launcher (``Engine.launcher``) turns a ``LaunchSpec`` into one engine's command line; ``start_engines``
 (``rlsys.rollout.launch``) runs it here or on the engine's node.

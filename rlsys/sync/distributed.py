@@ -274,6 +274,7 @@ class DistributedWeightSync(BroadcastGroups, EngineSessions, WriterTurns):
                     t.prepare(self.version)
             except Exception as e:
                 error = e
+                self._abort_transports()
                 self._close_sessions(resume=True)  # nothing was sent: the engines still serve whole weights
         self._agree(error)
         if self.direct and self.verify:  # each writer hashes what it sends, for the engines' dtypes

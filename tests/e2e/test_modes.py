@@ -174,6 +174,8 @@ def test_a_weight_transport_from_outside_rlsys_syncs(tmp_path, monkeypatch):
     assert "transport: folder_transport:FolderTransport" in (tmp_path / "folder" / "resolved.yaml").read_text()
     with pytest.raises(ConfigError, match="rollout.sync.transport.*has no function 'Missing'"):
         run(tmp_path, "bad", 1, "rollout.sync.transport=folder_transport:Missing")
+    with pytest.raises(ConfigError, match="rollout.sync.delta.*only rlsys's loaders decode"):  # deltas are no weights
+        run(tmp_path, "delta", 1, "rollout.sync.transport=folder_transport:FolderTransport", "rollout.sync.delta=true")
 
 
 def test_an_engine_from_outside_rlsys_rolls_out(tmp_path, monkeypatch):

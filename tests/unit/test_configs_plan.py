@@ -50,6 +50,7 @@ CONFIGS = {
     "tiny-cpu-fully-async-grpo.yaml": Expected(None, 1, "TP2 x PP1 x CP1 x EP1 x DP1", (2,), (1, 1), True),
     "tiny-cpu-moe-r3-grpo.yaml": Expected(None, 1, "TP1 x PP1 x CP1 x EP2 x DP2", (2,), (1, 1), True),
     "smollm2-135m-arithmetic-grpo.yaml": Expected(None, 1, "TP1 x PP1 x CP1 x EP1 x DP1", (30,), (1, 1), True),
+    "smollm2-135m-counting-grpo.yaml": Expected(None, 1, "TP1 x PP1 x CP1 x EP1 x DP1", (30,), (1, 1), True),
     "qwen2.5-0.5b-gsm8k-grpo.yaml": Expected("H100 80GB", 1, "TP1 x PP1 x CP1 x EP1 x DP8", (24,), (8, 1), True),
     "qwen2.5-0.5b-gsm8k-tools-grpo.yaml": Expected("H100 80GB", 1, "TP1 x PP1 x CP1 x EP1 x DP8", (24,), (8, 1), True),
     "qwen3-8b-dapo.yaml": Expected("H100 80GB", 1, "TP2 x PP1 x CP1 x EP1 x DP4", (36,), (4, 2), True),

@@ -94,6 +94,10 @@ def test_auto_engine_is_sglang_where_it_runs_here_and_says_why_not(tmp_path, mon
         assert chosen(amx, refuses) == "cpu" and f"{refuses}' cannot import sglang" in caplog.text
         assert chosen({"avx2"}, imports) == "cpu" and "this CPU lacks avx512f, avx512_bf16" in caplog.text
         assert chosen(amx, tmp_path / "missing") == "cpu" and "is not an executable" in caplog.text
+        broken = tmp_path / "broken"  # executable, but no program the kernel can run
+        broken.write_bytes(b"\x00\x01")
+        broken.chmod(0o755)
+        assert chosen(amx, broken) == "cpu" and "did not answer whether it imports sglang" in caplog.text
         assert chosen(amx, imports, "algorithm.router_replay=R3") == "cpu" and "routed experts" in caplog.text
     assert load_config(None, ["rollout.engine=auto"]).rollout.engine == "sglang"  # CUDA
     resolved = load_config(None, [*cpu, f"rollout.sglang.python={refuses}"])
