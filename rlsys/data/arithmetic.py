@@ -12,12 +12,11 @@ problems; ``--exclude`` skips every problem of another file (a held-out split di
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import random
 import sys
 from collections.abc import Callable, Iterable
+
+from rlsys.data import generated_splits
 
 # Measured on SmolLM2-135M-Instruct (Q4_1), 16 samples at temperature 1: asking for \\boxed{} with an example
 # gets boxed answers and some correct ones; "step by step" alone never produced a box. The example is 0,
@@ -178,40 +177,8 @@ def generate(n: int, seed: int, exclude: Iterable[str] = ()) -> list[dict]:
     return records
 
 
-def write_jsonl(records: list[dict], path: str) -> None:
-    """Write atomically (a reader never sees half a file), creating parent directories."""
-    path = os.path.abspath(path)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            for record in records:
-                f.write(json.dumps(record) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def read_prompts(path: str) -> set[str]:
-    with open(path) as f:
-        return {json.loads(line)["prompt"] for line in f if line.strip()}
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rlsys.data.arithmetic", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="output JSONL file")
-    ap.add_argument("--n", type=int, required=True, help="number of problems")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--exclude", action="append", default=[], help="JSONL file whose problems to leave out")
-    args = ap.parse_args(argv)
-    if args.n < 1:
-        ap.error("--n must be at least 1")
-    exclude = set().union(*(read_prompts(p) for p in args.exclude))
-    write_jsonl(generate(args.n, args.seed, exclude), args.out)
-    print(f"wrote {args.n} problems to {args.out}")
-    return 0
+    return generated_splits.main(generate, "python -m rlsys.data.arithmetic", __doc__.splitlines()[0], "problems", argv)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,11 @@ over N in 10..999; ``--exclude`` leaves out every question of another file (a he
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 from collections.abc import Iterable
 
-from rlsys.data.arithmetic import read_prompts, write_jsonl
+from rlsys.data import generated_splits
 
 INSTRUCTION = "Answer with just the number."
 LOW, HIGH = 10, 999
@@ -39,18 +38,7 @@ def generate(n: int, seed: int, exclude: Iterable[str] = ()) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rlsys.data.counting", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="output JSONL file")
-    ap.add_argument("--n", type=int, required=True, help="number of questions")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--exclude", action="append", default=[], help="JSONL file whose questions to leave out")
-    args = ap.parse_args(argv)
-    if args.n < 1:
-        ap.error("--n must be at least 1")
-    exclude = set().union(*(read_prompts(p) for p in args.exclude))
-    write_jsonl(generate(args.n, args.seed, exclude), args.out)
-    print(f"wrote {args.n} questions to {args.out}")
-    return 0
+    return generated_splits.main(generate, "python -m rlsys.data.counting", __doc__.splitlines()[0], "questions", argv)
 
 
 if __name__ == "__main__":
