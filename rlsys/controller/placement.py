@@ -32,6 +32,7 @@ from rlsys.plan import (
     role_world_sizes,
     rollout_devices,
 )
+from rlsys.rollout.engine import EnginePlace
 
 SHARE = 0.2  # of a bundle's GPU and CPU per process: up to five processes per device
 # Ray leaves CUDA_VISIBLE_DEVICES alone with this set: the process sees every GPU of its node. Ranks and
@@ -148,6 +149,18 @@ class Placement:
         """``.options(...)`` of the Ray actor that hosts engine ``index``: on its first device, seeing every
         GPU of the node (the engine picks its own with ``--base-gpu-id``)."""
         return self._options(self.engine_devices(index)[0], NOSET_CUDA if self.cuda else {})
+
+    def engine_places(self) -> list[EnginePlace]:
+        """Every engine's place, as ``rlsys.rollout.launch.start_engines`` takes it."""
+        first = [self.engine_devices(i)[0] for i in range(self.num_engines)]
+        nodes = [self.devices[d].node_id for d in first]
+        places = []
+        for i, device in enumerate(first):
+            mates = [j for j, node in enumerate(nodes) if node == nodes[i]]  # the engines sharing its node's cores
+            on_node = (mates.index(i), len(mates))
+            gpu, options = self.gpu_id(device) or 0, self.engine_options(i)
+            places.append(EnginePlace(self.here(device), self.node_ip(device), gpu, on_node, options))
+        return places
 
     def here(self, device: int) -> bool:
         """Whether ``device`` is on the node this process (the controller) runs on."""

@@ -213,7 +213,7 @@ def _engine_source(cfg: RunConfig, mode: str, model_dir: str, placement, prompts
         cfg.model.dtype,
         cfg.trainer.seed,
         f"{out_dir}/logs",
-        placement=placement,
+        places=placement.engine_places() if placement is not None else None,
         device=cfg.cluster.device,
         memory_saver=cfg.rollout.release_memory,
         routed_experts=cfg.algorithm.router_replay == "R3",

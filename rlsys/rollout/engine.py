@@ -48,6 +48,25 @@ class LaunchSpec:
     routed: bool = False
 
 
+@dataclass(frozen=True)
+class EnginePlace:
+    """Where a placement puts one engine, as launch needs it (``rlsys.controller.placement.Placement.engine_places``):
+    on the controller's node or not (``here``: launched as its process, else through a Ray host actor with
+    ``options``), its node's address, its first node-local GPU, and its index among the engines on its node with
+    their number (the engines of a node share its cores)."""
+
+    here: bool
+    host: str
+    gpu: int
+    on_node: tuple[int, int]
+    options: dict
+
+    @property
+    def env(self) -> dict:
+        """The environment its host actor would give it (a process of the controller takes it too)."""
+        return self.options.get("runtime_env", {}).get("env_vars", {})
+
+
 def launcher(name: str) -> Callable[[LaunchSpec], list]:
     """The command-line builder of ``rollout.engine`` ``name`` (``Engine.launcher``, ``package.module:function``)."""
     module, _, attr = engine(name).launcher.partition(":")

@@ -20,14 +20,13 @@ from typing import TYPE_CHECKING
 from rlsys.config.engines import engine
 from rlsys.config.resolve import engine_dtype
 from rlsys.local_ranks import free_port
-from rlsys.rollout.engine import LaunchSpec, launcher
+from rlsys.rollout.engine import EnginePlace, LaunchSpec, launcher
 from rlsys.rollout.pool import EnginePool
 from rlsys.rollout.process import ServerProcess
 from rlsys.rollout.remote import RemoteServer
 
 if TYPE_CHECKING:
     from rlsys.config import RolloutConfig
-    from rlsys.controller.placement import Placement
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -59,15 +58,15 @@ def start_engines(
     model_dtype: str,
     seed: int,
     log_dir: str,
-    placement: Placement | None = None,
+    places: list[EnginePlace] | None = None,
     device: str = "cuda",
     memory_saver: bool = False,
     routed_experts: bool = False,
     overlap: bool = False,
 ) -> EnginePool:
-    """Attach to ``rollout.urls``, or launch ``num_engines`` engines serving ``model_dir``: on the devices
-    ``placement`` gives them (each through an ``EngineHost`` actor on its node), or without a placement as
-    local processes on the first devices of this machine. ``memory_saver``: SGLang's
+    """Attach to ``rollout.urls``, or launch ``num_engines`` engines serving ``model_dir``: at ``places`` (a
+    placement's, ``Placement.engine_places``: each elsewhere through an ``EngineHost`` actor on its node), or without
+    them as local processes on the first devices of this machine. ``memory_saver``: SGLang's
     ``--enable-memory-saver``, for engines that release their memory between rollouts. ``routed_experts``:
     ``--enable-return-routed-experts`` and every generate asking for the routes (MoE routing replay R3). ``overlap``:
     the trainer computes while the engines generate (CPU engines take fewer threads). Engine ``i`` is
@@ -93,13 +92,14 @@ def start_engines(
     try:
         for i in range(cfg.num_engines):
             log, name = os.path.join(log_dir, f"{kind.log_name}_{i}.log"), f"{kind.log_name}[{i}]"
-            if placement is not None and not placement.here(placement.engine_devices(i)[0]):
-                gpu = placement.gpu_id(placement.engine_devices(i)[0]) or 0
-                command = functools.partial(_placed_command, build, i, gpu, _on_node(placement, i, cfg.num_engines))
-                options = placement.engine_options(i)
-                servers.append(RemoteServer(command, options=options, log_file=log, name=name, leftovers=leftovers))
+            place = places[i] if places is not None else None
+            if place is not None and not place.here:
+                command = functools.partial(_placed_command, build, i, place.gpu, place.on_node)
+                servers.append(
+                    RemoteServer(command, options=place.options, log_file=log, name=name, leftovers=leftovers)
+                )
             else:
-                servers.append(_local_server(build, i, cfg, placement, log, name, leftovers))
+                servers.append(_local_server(build, i, cfg, place, log, name, leftovers))
         urls = [s.url for s in servers]  # placed: waits for the hosts, which start in parallel
     except BaseException:
         for s in servers:
@@ -126,21 +126,15 @@ def _function(path: str):
     return getattr(importlib.import_module(module), attr)
 
 
-def _local_server(build, index: int, cfg: RolloutConfig, placement, log: str, name: str, leftovers) -> ServerProcess:
-    """Engine ``index`` as a process of this one: without a placement on the first devices of this machine, on
+def _local_server(build, index: int, cfg: RolloutConfig, place, log: str, name: str, leftovers) -> ServerProcess:
+    """Engine ``index`` as a process of this one: without a place on the first devices of this machine, on
     loopback; placed on this process's node, on the node's address with the placement's environment, as its host
     actor would start it there (without one between: no actor to start, and the CPU engine forks from
     ``rlsys.fork_server`` where this process uses it)."""
-    if placement is None:
+    if place is None:
         host, gpu, on_node, env = "127.0.0.1", index * cfg.tp, None, {}
     else:
-        device = placement.engine_devices(index)[0]
-        host, gpu, on_node = (
-            placement.node_ip(device),
-            placement.gpu_id(device) or 0,
-            _on_node(placement, index, cfg.num_engines),
-        )
-        env = placement.engine_options(index).get("runtime_env", {}).get("env_vars", {})
+        host, gpu, on_node, env = place.host, place.gpu, place.on_node, place.env
     port = free_port(host)
     command = build(index, base_gpu_id=gpu, host=host, port=port, on_node=on_node)
     left = leftovers(port) if leftovers else ()
@@ -149,11 +143,3 @@ def _local_server(build, index: int, cfg: RolloutConfig, placement, log: str, na
 
 def _placed_command(build, index: int, gpu: int, on_node: tuple[int, int], host: str, port: int) -> list:
     return build(index, base_gpu_id=gpu, host=host, port=port, on_node=on_node)
-
-
-def _on_node(placement, index: int, num_engines: int) -> tuple[int, int]:
-    """Engine ``index``'s position among the engines placed on its node, and their number: the engines of one
-    node split its cores, not those of the whole cluster."""
-    node = placement.devices[placement.engine_devices(index)[0]].node_id
-    here = [j for j in range(num_engines) if placement.devices[placement.engine_devices(j)[0]].node_id == node]
-    return here.index(index), len(here)

@@ -158,7 +158,7 @@ def test_disaggregated_roles_and_engine_on_their_own_devices(placed, tmp_path):
 
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    pool = start_engines(cfg.rollout, str(model_dir), "bf16", 7, str(tmp_path / "logs"), placement=p)
+    pool = start_engines(cfg.rollout, str(model_dir), "bf16", 7, str(tmp_path / "logs"), places=p.engine_places())
     try:
         launch = json.loads((model_dir / "launch.json").read_text())
         server = pool.servers[0]
@@ -182,7 +182,7 @@ def test_cpu_engine_on_its_node_restarts_through_the_proxy(placed, tmp_path):
     assert [x.bundle for x in p.devices] == [p.devices[0].bundle] * 2 + [p.devices[2].bundle] * 2
     assert p.devices[0].node_id != p.devices[2].node_id and p.engine_devices(0) == [3]
     model = make_tiny_hf_checkpoint("qwen2", str(tmp_path / "model"))
-    pool = start_engines(cfg.rollout, model, "fp32", 0, str(tmp_path / "logs"), placement=p)
+    pool = start_engines(cfg.rollout, model, "fp32", 0, str(tmp_path / "logs"), places=p.engine_places())
     restarted = []
     pool.on_restart = restarted.append
     sampling = {"max_new_tokens": 3, "temperature": 0.0}

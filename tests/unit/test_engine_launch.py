@@ -133,16 +133,19 @@ def test_cpu_ranks_leave_the_engines_their_cores_when_both_compute_at_once(monke
 
 
 def test_engines_split_the_cores_of_their_own_node_only():
-    from types import SimpleNamespace
-
-    from rlsys.rollout.launch import _on_node
+    """``Placement.engine_places``: what launch gets, a plain value per engine (its node, GPU, place on the node)."""
+    from rlsys.controller.placement import Device, Placement
 
     # devices 0-1 on node a, 2-3 on node b; engine 0 on device 1, engines 1 and 2 on devices 2 and 3
-    nodes = ["a", "a", "b", "b"]
-    placement = SimpleNamespace(devices=[SimpleNamespace(node_id=n) for n in nodes], engine_devices=lambda i: [i + 1])
-    slots = [_on_node(placement, i, 3) for i in range(3)]
-    assert slots == [(0, 1), (0, 2), (1, 2)]
-    assert [core_binding(i, n, 1, range(8)) for i, n in slots] == ["0-7", "0-3", "4-7"]  # not thirds of a node
+    nodes = [("a", "10.0.0.1"), ("a", "10.0.0.1"), ("b", "10.0.0.2"), ("b", "10.0.0.2")]
+    devices = [Device(i, ip, node, i % 2) for i, (node, ip) in enumerate(nodes)]
+    placement = Placement(None, devices, True, {"actor": 1}, {"actor": 0, "rollout": 1}, engines=3, engine_tp=1)
+    places = placement.engine_places()
+    assert [p.on_node for p in places] == [(0, 1), (0, 2), (1, 2)]
+    assert [(p.host, p.gpu) for p in places] == [("10.0.0.1", 1), ("10.0.0.2", 0), ("10.0.0.2", 1)]
+    assert not any(p.here for p in places)  # without Ray this process is on none of their nodes
+    assert [core_binding(i, n, 1, range(8)) for i, n in (p.on_node for p in places)] == ["0-7", "0-3", "4-7"]
+    assert all(p.env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] == "1" for p in places)  # the host actor's
 
 
 def test_cpu_sglang_command_carries_its_environment(tmp_path):
