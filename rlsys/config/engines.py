@@ -26,6 +26,8 @@ class Engine:
 
     name: str
     launcher: str  # package.module:function, rlsys.rollout.engine.LaunchSpec -> one engine's command line
+    # package.module:Class built as Class(url, timeout_s, api_key=...): the calls of rlsys.rollout.engine's Protocols
+    client: str = "rlsys.rollout.client:EngineClient"
     load_format: str = "flattened_bucket"  # what rollout.sync.load_format: auto picks for it
     cpu_dtype: str | None = None  # what rollout.dtype: auto serves on CPU; None: the trainer's dtype
     routed_experts_on_cpu: bool = True  # it returns MoE routes on CPU (algorithm.router_replay: R3)

@@ -108,8 +108,10 @@ class RoleGroup:
         """The old-policy log-probs and entropy an on-policy ``update`` of ``batch`` (no ``old_logp``) computed."""
         return self._merge(dp_shards(batch.lengths, self.dp), self._all("call", same=("last_logprobs",)), len(batch))
 
-    def setup_sync(self, urls, engine_tp, sync_cfg, weight_dtype="auto", api_key=None, transports=None):
-        self._all("setup_sync", same=(urls, engine_tp, sync_cfg, weight_dtype, api_key, transports))
+    def setup_sync(
+        self, urls, engine_tp, sync_cfg, weight_dtype="auto", api_key=None, transports=None, engine="sglang"
+    ):
+        self._all("setup_sync", same=(urls, engine_tp, sync_cfg, weight_dtype, api_key, transports, engine))
 
     def sync_weights(self, version: int) -> dict:
         return self._all("sync_weights", same=(version,))[0]

@@ -165,6 +165,7 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
             cfg.rollout.weight_dtype,
             engines.api_key,
             sync_transports(cfg),
+            cfg.rollout.engine,
         )
     with turns.phase("sync"):  # the engines start from the HF files (or lag a resumed checkpoint)
         weights.start()

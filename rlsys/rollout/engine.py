@@ -4,9 +4,9 @@ launched.
 Every engine rlsys drives serves SGLang's HTTP API (``rlsys.rollout.client.EngineClient`` speaks it; rlsys's CPU
 engine mirrors it). The calls are grouped by who makes them, each a Protocol: ``Generation`` (the rollout),
 ``EngineControl`` (the loop and the colocated turns: pause, release) and ``WeightReceiver`` (the weight sync);
-``EngineClient`` is all three. An engine speaking SGLang's API is an ``Engine`` entry (``rlsys.config.engines``)
-naming its launcher; one speaking another API (vLLM's, say) would also need a client class with these methods,
-which no config key selects yet (``EngineClient`` is built by the pool and the sync).
+``EngineClient`` is all three. An engine is an ``Engine`` entry (``rlsys.config.engines``) naming its launcher and
+its client class: SGLang's API is ``EngineClient``; one speaking another API (vLLM's, say) names a class of its own
+with these methods, which the pool and the weight sync then build.
 
 A launcher (``Engine.launcher``) turns a ``LaunchSpec`` into one engine's command line; ``start_engines``
 (``rlsys.rollout.launch``) runs it here or on the engine's node.
@@ -69,7 +69,16 @@ class EnginePlace:
 
 def launcher(name: str) -> Callable[[LaunchSpec], list]:
     """The command-line builder of ``rollout.engine`` ``name`` (``Engine.launcher``, ``package.module:function``)."""
-    module, _, attr = engine(name).launcher.partition(":")
+    return _attribute(engine(name).launcher)
+
+
+def client_class(name: str) -> type:
+    """The client class of ``rollout.engine`` ``name`` (``Engine.client``): the pool's and the weight sync's."""
+    return _attribute(engine(name).client)
+
+
+def _attribute(path: str):
+    module, _, attr = path.partition(":")
     return getattr(importlib.import_module(module), attr)
 
 

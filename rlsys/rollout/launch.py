@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from rlsys.config.engines import engine
 from rlsys.config.resolve import engine_dtype
 from rlsys.local_ranks import free_port
-from rlsys.rollout.engine import EnginePlace, LaunchSpec, launcher
+from rlsys.rollout.engine import EnginePlace, LaunchSpec, client_class, launcher
 from rlsys.rollout.pool import EnginePool
 from rlsys.rollout.process import ServerProcess
 from rlsys.rollout.remote import RemoteServer
@@ -73,7 +73,9 @@ def start_engines(
     seeded ``seed + i``: engines with one seed would draw the same samples for the same batch."""
     os.makedirs(log_dir, exist_ok=True)
     if cfg.urls:
-        pool = EnginePool.attach(cfg.urls, timeout_s=cfg.sync.timeout_s, api_key=cfg.api_key)
+        pool = EnginePool.attach(
+            cfg.urls, timeout_s=cfg.sync.timeout_s, api_key=cfg.api_key, client=client_class(cfg.engine)
+        )
         pool.return_routed_experts = routed_experts  # their command line must have the flag
         return pool
     if cfg.weight_dtype == "fp8":
@@ -115,6 +117,7 @@ def start_engines(
         timeout_s=cfg.sync.timeout_s,
         health_timeout_s=kind.health_timeout_s,
         api_key=api_key if keyed else None,
+        client=client_class(cfg.engine),
     )
     pool.return_routed_experts = routed_experts
     return pool

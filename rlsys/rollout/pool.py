@@ -96,11 +96,13 @@ class EnginePool:
         router_url: str | None = None,
         api_key: str | None = None,
         probe_s: float = 10.0,
+        client: type = EngineClient,
         **kwargs,
     ):
         """A pool over servers that already run; nothing is started or stopped. Each must answer its release
-        within ``probe_s`` (a refused, silent or foreign server fails here, naming ``rollout.urls[i]``)."""
-        clients = [EngineClient(u, timeout_s, api_key=api_key) for u in urls]
+        within ``probe_s`` (a refused, silent or foreign server fails here, naming ``rollout.urls[i]``). ``client``:
+        the engine's client class (``rlsys.rollout.engine.client_class``)."""
+        clients = [client(u, timeout_s, api_key=api_key) for u in urls]
         for i, client in enumerate(clients):
             try:
                 client.check_version(timeout_s=probe_s)
@@ -122,12 +124,13 @@ class EnginePool:
         timeout_s: float = 300.0,
         health_timeout_s: float = 900.0,
         api_key: str | None = None,
+        client: type = EngineClient,
         **kwargs,
     ):
         """Start ``servers`` (and ``router`` after them), wait until all are healthy, return the pool.
         On any failure everything started is stopped before the error propagates. ``api_key``: the key the
-        servers were started with (``--api-key``), sent by every client."""
-        clients = [EngineClient(s.url, timeout_s, api_key=api_key) for s in servers]
+        servers were started with (``--api-key``), sent by every client of class ``client``."""
+        clients = [client(s.url, timeout_s, api_key=api_key) for s in servers]
         pool = cls(clients, servers=servers, router=router, health_timeout_s=health_timeout_s, **kwargs)
         try:
             for server in servers:

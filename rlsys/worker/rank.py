@@ -98,12 +98,15 @@ class RankWorker:
         weight_dtype: str,
         api_key=None,
         transports: list[str] | None = None,
+        engine: str = "sglang",
     ) -> None:
-        from rlsys.rollout.client import EngineClient
+        """``engine``: ``rollout.engine``, whose client class rank 0 talks to the engines with."""
+        from rlsys.rollout.engine import client_class
         from rlsys.sync.distributed import DistributedWeightSync
 
         rank0 = torch.distributed.get_rank() == 0
-        clients = [EngineClient(u, sync_cfg.timeout_s, api_key=api_key) for u in urls] if rank0 else []
+        client = client_class(engine)
+        clients = [client(u, sync_cfg.timeout_s, api_key=api_key) for u in urls] if rank0 else []
         self.sync = DistributedWeightSync.from_config(
             self.topo,
             self.worker.engine.arch,

@@ -184,9 +184,10 @@ def test_an_engine_from_outside_rlsys_rolls_out(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(os.path.dirname(__file__))
     import custom_engine
 
-    before = len(custom_engine.launched)
+    before, clients = len(custom_engine.launched), custom_engine.CountingClient.built
     history = run(tmp_path, "engine", 1, "rollout.engine=custom_engine:ENGINE")
     assert len(custom_engine.launched) == before + 1  # its launcher built the one engine's command line
+    assert custom_engine.CountingClient.built == clients + 2  # its client class: the pool's and the sync's
     assert finite(history[0]) and history[0]["rollout/logprob_diff_max"] < 1e-4
     resolved = (tmp_path / "engine" / "resolved.yaml").read_text()
     assert "load_format: per_tensor" in resolved  # sync.load_format: auto took the engine's own
