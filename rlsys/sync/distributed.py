@@ -8,7 +8,8 @@ Per sync, on every trainer rank (a collective over the training world):
    ``parts``, ``senders: writers``, a broadcast group; ``rlsys.sync.parts``) every TP rank writes its own slices
    of each TP-split tensor and nothing is gathered. Otherwise each parameter's TP / expert-TP shards are gathered
    first, on TP rank 0, or under ``senders: writers`` on one TP rank per parameter, each its share of the bytes.
-2. Every writer packs its tensors into buckets of ``sync.bucket_mb``, rank 0's first ones smaller so that the
+2. Every writer passes each tensor through the transforms (``rlsys.sync.transforms``: FP8, checksum tap, delta)
+   and packs the results into buckets of ``sync.bucket_mb``, rank 0's first ones smaller so that the
    first broadcast starts early (``rlsys.sync.buckets.ramp_start``); under ``per_bucket`` its small tensors
    into buckets of their own, sent flattened (``buckets.is_small``).
 3. Each writer broadcasts its own buckets into its own group with the engines (``sync.senders: writers``,
@@ -98,7 +99,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from rlsys.architectures.fp8 import quantize_named_tensors
 from rlsys.config.transports import GROUP, build_transports
 from rlsys.errors import ConfigError
 from rlsys.host_threads import single_threaded
@@ -115,6 +115,7 @@ from rlsys.sync.parts import part_name
 from rlsys.sync.process_group import abandon_custom_process_group
 from rlsys.sync.sessions import EngineSessions
 from rlsys.sync.stats import SyncStats
+from rlsys.sync.transforms import transformed
 from rlsys.sync.turns import RemoteBucket, WriterGaveUp, WriterTurns
 from rlsys.sync.verify import TrainerChecksums
 from rlsys.sync.wire import dtype_name
@@ -433,17 +434,14 @@ class DistributedWeightSync(BroadcastGroups, EngineSessions, WriterTurns):
         return lambda p: part_name(p.name, p.dim, p.start, p.tensor.shape[p.dim], p.total)
 
     def _add(self, bucketers: tuple, outbox: Handoff, name: str, tensor: torch.Tensor) -> None:
-        named = quantize_named_tensors([(name, tensor)]) if self.weight_dtype == "fp8" else [(name, tensor)]
-        for n, t in named:
-            if self._checks is not None:  # what is sent, after quantization, is what the engine must hold
-                self._checks.add(n, t)
-            for sent, value in [(n, t)] if self.delta is None else self.delta.encode(n, t):
-                large, small = bucketers
-                bucketer = small if small is not None and bk.is_small(value) else large
-                if bucketer.closes(value):
-                    self._hand_over(bucketer.flush(), outbox)  # returns once the bucket before it is sent
-                bucketer.add(sent, value)
-                outbox.begin()
+        fp8 = self.weight_dtype == "fp8"
+        for sent, value in transformed(name, tensor, fp8=fp8, checks=self._checks, delta=self.delta):
+            large, small = bucketers
+            bucketer = small if small is not None and bk.is_small(value) else large
+            if bucketer.closes(value):
+                self._hand_over(bucketer.flush(), outbox)  # returns once the bucket before it is sent
+            bucketer.add(sent, value)
+            outbox.begin()
 
     def _hand_over(self, bucket: Bucket, outbox: Handoff) -> None:
         if (self.direct or self.is_sender and self.broadcast_engines) and bk.sends_flat(self.load_format, bucket):
