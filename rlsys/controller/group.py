@@ -104,9 +104,12 @@ class RoleGroup:
         shards = dp_shards(batch.lengths, self.dp, mini_batches)
         return self._all("call", *[("update", batch.select(shards[i["dp_rank"]])) for i in self.infos])[0]
 
-    def last_logprobs(self, batch: TrainBatch) -> dict[str, list]:
-        """The old-policy log-probs and entropy an on-policy ``update`` of ``batch`` (no ``old_logp``) computed."""
-        return self._merge(dp_shards(batch.lengths, self.dp), self._all("call", same=("last_logprobs",)), len(batch))
+    def update_taking_old(self, batch: TrainBatch, mini_batches: int) -> tuple[dict[str, float], dict[str, list]]:
+        """The on-policy update of ``batch`` (no ``old_logp``) whose own forward gives the old-policy log-probs:
+        its metrics, and those log-probs and entropies per sample, in batch order."""
+        shards = dp_shards(batch.lengths, self.dp, mini_batches)
+        results = self._all("call", *[("update_taking_old", batch.select(shards[i["dp_rank"]])) for i in self.infos])
+        return results[0][0], self._merge(shards, [old for _, old in results], len(batch))
 
     def setup_sync(
         self, urls, engine_tp, sync_cfg, weight_dtype="auto", api_key=None, transports=None, engine="sglang"

@@ -145,12 +145,13 @@ def learn(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
         if critic is not None:
             with turns.on_device(critic):
                 metrics.update(critic.update(batch, algo.schedule.mini_batches_per_step))
-        if n > algo.schedule.critic_warmup_steps:
-            metrics.update(actor.update(batch, algo.schedule.mini_batches_per_step))
-        if in_update:
-            old = actor.last_logprobs(batch)
+        if in_update:  # the update's own forward gives the old log-probs
+            learned, old = actor.update_taking_old(batch, algo.schedule.mini_batches_per_step)
+            metrics.update(learned)
             batch.set("old_logp", old["logp"])
             old_logp = batch.padded("old_logp")
+        elif n > algo.schedule.critic_warmup_steps:
+            metrics.update(actor.update(batch, algo.schedule.mini_batches_per_step))
 
     if m.mode == "none":
         mismatch = mismatch_metrics(old_logp, batch.padded("rollout_logp"), mask)

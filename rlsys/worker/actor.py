@@ -169,11 +169,18 @@ class PolicyWorker:
 
         return loss_fn
 
-    def last_logprobs(self) -> dict[str, list[torch.Tensor]] | None:
-        """The old-policy ``{"logp", "entropy"}`` of the last update without ``old_logp`` (last stage only)."""
-        if not self.topo.is_last_stage:
-            return None
-        return _per_sample(self._seen, self._lengths, with_entropy=True)
+    def update_taking_old(self, batch: TrainBatch) -> tuple[dict[str, float], dict[str, list[torch.Tensor]] | None]:
+        """The on-policy update of a batch without ``old_logp`` (``algorithm.schedule.old_logprob_pass: in_update``):
+        its metrics, and the old-policy ``{"logp", "entropy"}`` per sample its own forward computed (last stage
+        only; None elsewhere). Nothing of it stays on the worker after the call."""
+        if "old_logp" in batch.fields:
+            raise ValueError("update_taking_old computes old_logp itself: the batch must not carry it")
+        try:
+            metrics = self.update(batch)
+            old = _per_sample(self._seen, self._lengths, with_entropy=True) if self.topo.is_last_stage else None
+        finally:
+            self._seen, self._lengths = [], []
+        return metrics, old
 
 
 def _per_sample(results, lengths, with_entropy: bool) -> dict[str, list[torch.Tensor]]:

@@ -76,7 +76,7 @@ class RankWorker:
     # -- model work ---------------------------------------------------------------------------
 
     def call(self, op: str, *args):
-        """The worker's ``op`` (``compute_logprobs``, ``compute_values``, ``update``, ``last_logprobs``, or any
+        """The worker's ``op`` (``compute_logprobs``, ``compute_values``, ``update``, ``update_taking_old``, or any
         method a new worker adds): model work reaches the worker by name, so a new role operation is a worker
         method and its dispatch in ``RoleGroup``, with nothing to add here."""
         return getattr(self.worker, op)(*args)

@@ -74,6 +74,10 @@ class FakeGroup:
         self.fields_at_update = set(batch.fields)
         return {"actor/pg_loss": 0.25}
 
+    def update_taking_old(self, batch, mini_batches):
+        assert "old_logp" not in batch.fields
+        return self.update(batch, mini_batches), self.last_logprobs(batch)
+
     def sync_weights(self, version):
         self.synced.append(version)
         return {"sync/seconds": 0.01}
