@@ -15,6 +15,7 @@ Kept free of torch: ``rlsys plan`` and the config rules read it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from rlsys.config.registry import import_attribute
@@ -42,6 +43,16 @@ class Engine:
     cpu_leftovers: str | None = None  # package.module:function of the port: what a server on CPU leaves behind
     cpu_flags: tuple[str, ...] = ()  # the instruction-set flags it needs on CPU (rollout.engine: auto checks them)
     package: str | None = None  # what its interpreter must be able to import (rollout.engine: auto checks it)
+
+    def python(self, rollout) -> str | None:
+        """The interpreter it runs under (the value of its ``interpreter`` key in ``rollout``), None: rlsys's own."""
+        return functools.reduce(getattr, self.interpreter.split(".")[1:], rollout) if self.interpreter else None
+
+    def part(self, field: str):
+        """What one of its ``package.module:name`` fields names (``launcher``, ``client``, ``router``,
+        ``cpu_leftovers``), imported."""
+        module, _, attr = getattr(self, field).partition(":")
+        return import_attribute(module, attr, f"{KEY} {self.name}.{field}")
 
 
 ENGINES = {  # in the order rollout.engine: auto prefers them

@@ -28,7 +28,6 @@ a reward's executor (its function's declaration).
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import shutil
 import subprocess
@@ -102,8 +101,7 @@ def _missing_on_cpu(cfg, e: Engine) -> str | None:
         return f"this CPU lacks {', '.join(lacking)}"
     if cfg.algorithm.router_replay == "R3" and not e.routed_experts_on_cpu:
         return "algorithm.router_replay R3 needs routed experts, which it cannot return on CPU"
-    key = e.interpreter or "rlsys's own python"
-    python = functools.reduce(getattr, e.interpreter.split(".")[1:], cfg.rollout) if e.interpreter else sys.executable
+    key, python = e.interpreter or "rlsys's own python", e.python(cfg.rollout) or sys.executable
     found = shutil.which(python)
     if found is None:
         return f"{key} {python!r} is not an executable"

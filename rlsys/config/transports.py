@@ -27,7 +27,7 @@ import contextlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-from rlsys.config.registry import import_function
+from rlsys.config.registry import load
 
 GROUP = "broadcast"  # the coordinator's own broadcast group, not a bucket transport
 TRANSPORTS = {  # name -> the bucket transport class, where it lives
@@ -60,18 +60,13 @@ class BucketTransport(Protocol):
         """After a failure: drop what this sync left behind (the engines stay paused)."""
 
 
-def is_bucket_transport(name: str) -> bool:
-    return name != GROUP
-
-
 def transport_class(name: str) -> type:
     """The class ``name`` stands for: a name of ``TRANSPORTS`` or ``package.module:Class``; ``ValueError`` naming
     the key and what is there otherwise."""
-    module, _, attr = TRANSPORTS.get(name, name).partition(":")
-    if not attr or not module:
-        known = ", ".join(sorted([GROUP, *TRANSPORTS]))
-        raise ValueError(f"{KEY}: {name!r} is neither auto, one of {known}, nor a 'package.module:Class'")
-    cls = import_function(module, attr, KEY)
+    if name not in TRANSPORTS and ":" not in name:
+        known = ", ".join(["auto", GROUP, *TRANSPORTS])
+        raise ValueError(f"{KEY}: {name!r} is neither one of {known} nor a 'package.module:Class'")
+    cls = load(name, TRANSPORTS, KEY)
     missing = [m for m in ("prepare", "send", "finish", "abort") if not callable(getattr(cls, m, None))]
     if missing:
         raise ValueError(f"{KEY}: {name} lacks {', '.join(missing)} (rlsys.config.transports.BucketTransport)")
@@ -82,6 +77,6 @@ def build_transports(names: list[str], engines: list, engine_tp: list[int], *, c
     """One bucket transport per name that is not the broadcast group, each with the engines that use it."""
     by_name: dict[str, list] = {}
     for name, engine, tp in zip(names, engines, engine_tp):
-        if is_bucket_transport(name):
+        if name != GROUP:
             by_name.setdefault(name, []).append((engine, tp))
     return [transport_class(n)(pairs, calls=calls, timeout_s=timeout_s) for n, pairs in by_name.items()]

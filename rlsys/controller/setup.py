@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import shutil
@@ -33,8 +32,8 @@ def check_machine(cfg, use_ray: bool, mode: str = "full") -> None:
         raise ConfigError("trainer.output_dir", f"{out} cannot be created: {existing} is not writable")
     r, elsewhere = cfg.rollout, cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS")  # a Ray cluster's nodes
     launches = mode != "train" and not r.urls and not elsewhere  # engines start on this machine
-    key = engine(r.engine).interpreter  # the Python the engine runs under, where not rlsys's own
-    python = functools.reduce(getattr, key.split(".")[1:], r) if key else None
+    kind = engine(r.engine)
+    python, key = kind.python(r), kind.interpreter  # the Python the engine runs under, where not rlsys's own
     if launches and python is not None and shutil.which(python) is None:
         raise ConfigError(
             key,

@@ -14,7 +14,6 @@ A launcher (``Engine.launcher``) turns a ``LaunchSpec`` into one engine's comman
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -69,17 +68,12 @@ class EnginePlace:
 
 def launcher(name: str) -> Callable[[LaunchSpec], list]:
     """The command-line builder of ``rollout.engine`` ``name`` (``Engine.launcher``, ``package.module:function``)."""
-    return _attribute(engine(name).launcher)
+    return engine(name).part("launcher")
 
 
 def client_class(name: str) -> type:
     """The client class of ``rollout.engine`` ``name`` (``Engine.client``): the pool's and the weight sync's."""
-    return _attribute(engine(name).client)
-
-
-def _attribute(path: str):
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    return engine(name).part("client")
 
 
 class Generation(Protocol):

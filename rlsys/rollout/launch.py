@@ -12,7 +12,6 @@ Every engine bound beyond loopback gets an API key (``--api-key``; clients send 
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 import secrets
 from typing import TYPE_CHECKING
@@ -86,7 +85,7 @@ def start_engines(
     dtype = engine_dtype(cfg, model_dtype, device)
     api_key = cfg.api_key or secrets.token_hex(16)
     kind = engine(cfg.engine)
-    leftovers = _function(kind.cpu_leftovers) if kind.cpu_leftovers and device == "cpu" else None
+    leftovers = kind.part("cpu_leftovers") if kind.cpu_leftovers and device == "cpu" else None
     common = dict(cfg=cfg, model_dir=model_dir, dtype=dtype, seed=seed, device=device, api_key=api_key)
     common.update(memory_saver=memory_saver, routed=routed_experts, overlap=overlap)
     build = functools.partial(_engine_command, cfg.engine, common)
@@ -110,7 +109,7 @@ def start_engines(
     keyed = any(s.url.split("//")[1].rsplit(":", 1)[0] not in LOOPBACK for s in servers)
     # not for R3: sgl-router re-serializes /generate into its own request type, which has no return_routed_experts
     front = kind.router and len(urls) > 1 and not routed_experts
-    router = _function(kind.router)(cfg, urls, log_dir, api_key if keyed else None) if front else None
+    router = kind.part("router")(cfg, urls, log_dir, api_key if keyed else None) if front else None
     pool = EnginePool.launch(
         servers,
         router=router,
@@ -121,12 +120,6 @@ def start_engines(
     )
     pool.return_routed_experts = routed_experts
     return pool
-
-
-def _function(path: str):
-    """A ``package.module:function`` an ``Engine`` names."""
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
 
 
 def _local_server(build, index: int, cfg: RolloutConfig, place, log: str, name: str, leftovers) -> ServerProcess:
