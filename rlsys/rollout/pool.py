@@ -78,6 +78,7 @@ class EnginePool:
         self.restarts = 0  # engines restarted so far (the step metrics report it as rollout/engine_restarts)
         self._next = 0  # round-robin cursor
         self._suspect = False  # a request failed since the last check_and_restart
+        self._router_failed = False  # a request through the router failed since its last check
         self._executor = ThreadPoolExecutor(
             max_concurrency, thread_name_prefix="engine-pool", initializer=single_threaded
         )
@@ -210,8 +211,12 @@ class EnginePool:
     def _targets(self, count: int) -> list[EngineClient]:
         """Where the next ``count`` requests go; restarts dead engines first when none is left."""
         if self.router_client is not None:
-            if self.router is not None and not self.router.alive() and self.auto_restart:
-                self._restart_router()
+            if self.router is not None and self.auto_restart and (self._router_failed or not self.router.alive()):
+                # After a failed request its health decides, not its process state alone: a killed router forked
+                # from rlsys.fork_server reads as alive until the fork server has reaped it and said so.
+                self._router_failed = False
+                if not self.router.healthy():
+                    self._restart_router()
             return [self.router_client] * count
         if len(self.down) == len(self.clients) and self.auto_restart:
             self.check_and_restart()
@@ -226,6 +231,7 @@ class EnginePool:
         self._suspect = True  # behind a router, the engine that failed is unknown: probe them all
         if target is self.router_client:
             logger.warning("router %s failed: %s", target.url, error)
+            self._router_failed = True
             return
         index = self.clients.index(target)
         logger.warning("engine %d (%s) is down: %s", index, target.url, error)

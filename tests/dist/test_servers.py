@@ -326,6 +326,14 @@ def test_router_mode_sends_every_prompt_through_the_router(fake_server):
         os.kill(killed, signal.SIGKILL)
         assert _gone(killed)  # dead (a zombie at most) before the next call: it must find the router down
         assert len(pool.generate([[1]], protocol.sampling_params())) == 1 and router.starts == 2
+        # Killed again while its process still reads as running: Popen.poll answers None while another thread holds
+        # its waitpid lock, and a forked server's exit is known once the fork server has reaped it. The failed
+        # request itself must bring the restart (the old check, process state alone, retried into the dead port).
+        proc = router._proc
+        proc.poll = lambda: proc.returncode  # not reaped here: None until stop()'s wait() reaps it
+        os.kill(proc.pid, signal.SIGKILL)
+        assert _gone(proc.pid)
+        assert len(pool.generate([[1]], protocol.sampling_params())) == 1 and router.starts == 3
     finally:
         pool.close()
     assert not router.alive() and not any(e.alive() for e in engines)
