@@ -105,10 +105,15 @@ def set_rank_env(rank: int, world: int, port: int) -> None:
     )
 
 
+BIND_TRIES = 3
+
+
 def spawn_ranks(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, port, *args)`` in ``world`` fresh processes and wait for all.
 
-    A failing rank makes the others terminate and raises in the caller.
+    A failing rank makes the others terminate and raises in the caller. The rendezvous port is picked free, but
+    another process may bind it before rank 0 does: a start that fails on that bind (``EADDRINUSE``, before any rank
+    did work) is tried again on a fresh port, up to ``BIND_TRIES`` times.
     """
     import torch.multiprocessing as mp
 
@@ -119,8 +124,14 @@ def spawn_ranks(fn, world: int, *args) -> None:
         stream.flush()
     out, err = fork_server.ParentFd(1), fork_server.ParentFd(2)
     with fork_server.quiet_server():  # the server, where this call starts it, and the ranks filter library noise
-        args = (dict(os.environ), out, err, os.getcwd(), fn, world, free_port(), *args)
-        mp.start_processes(_forked_rank, args=args, nprocs=world, join=True, start_method="forkserver")
+        for attempt in range(BIND_TRIES):
+            ranks_args = (dict(os.environ), out, err, os.getcwd(), fn, world, free_port(), *args)
+            try:
+                mp.start_processes(_forked_rank, args=ranks_args, nprocs=world, join=True, start_method="forkserver")
+                return
+            except mp.ProcessRaisedException as e:
+                if "EADDRINUSE" not in str(e) or attempt == BIND_TRIES - 1:
+                    raise
 
 
 def _forked_rank(rank: int, env: dict, out: int, err: int, cwd: str, fn, world: int, port: int, *args) -> None:

@@ -55,3 +55,33 @@ def test_two_rank_grids(tmp_path, layout, expected):
         got = json.loads((tmp_path / f"{rank}.json").read_text())
         assert got["backend"] == "gloo"
         assert {k: got[k] for k in want} == want
+
+
+def _rendezvous(rank, world, port, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    with open(os.path.join(out_dir, f"{rank}.port"), "w") as f:
+        f.write(str(port))
+    dist.destroy_process_group()
+
+
+def test_a_rendezvous_port_taken_before_rank_0_binds_it_is_replaced(tmp_path, monkeypatch):
+    """``spawn_ranks`` picks a free port, which another process may bind first (another test's engine did, once):
+    the start is tried again on a fresh port instead of failing with EADDRINUSE."""
+    import socket
+
+    import rlsys.local_ranks as local_ranks
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    busy, real = taken.getsockname()[1], local_ranks.free_port
+    ports = iter([busy])  # the first pick is a port some other process already listens on
+    monkeypatch.setattr(local_ranks, "free_port", lambda host="127.0.0.1": next(ports, None) or real(host))
+    try:
+        spawn_ranks(_rendezvous, 2, str(tmp_path))
+    finally:
+        taken.close()
+    used = {int((tmp_path / f"{r}.port").read_text()) for r in range(2)}
+    assert len(used) == 1 and busy not in used
