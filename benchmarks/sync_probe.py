@@ -43,12 +43,13 @@ class Probe:
         """Patch the sync module's view of the world, once, in this process only: the exporter, ``dist``,
         the funnel receive and the flatten."""
         import rlsys.megatron.export as export
-        import rlsys.sync.distributed as sd
+        import rlsys.sync.broadcast as broadcast
+        import rlsys.sync.fill as fill
         import rlsys.sync.turns as turns
         from rlsys.sync.buckets import Bucket
 
         probe = self
-        original_iter = sd.iter_hf_tensors
+        original_iter = fill.iter_hf_tensors
 
         def timed_iter(*args, **kwargs):
             it = original_iter(*args, **kwargs)
@@ -70,19 +71,19 @@ class Probe:
             def __getattr__(self, name):
                 return getattr(self._real, name)
 
-        sd.iter_hf_tensors = timed_iter
+        fill.iter_hf_tensors = timed_iter
         # posting a parameter's receives and waiting for them (looked up at call time by iter_hf_tensors)
         export._start_gather = self.timed("gather", export._start_gather)
         export._done = self.timed("gather", export._done)
-        sd.dist = TimedDist(sd.dist)
+        broadcast.dist = TimedDist(broadcast.dist)
         turns.recv_bucket = self.timed("funnel_recv", turns.recv_bucket)
-        Bucket.flattened = self.timed("flatten", Bucket.flattened)  # in _hand_over, on the main thread
+        Bucket.flattened = self.timed("flatten", Bucket.flattened)  # in hand_over, on the main thread
 
     def attach(self, sync) -> None:
-        """Time one ``DistributedWeightSync``'s ``_hand_over`` and ``_broadcast`` (instance attributes)."""
+        """Time one ``DistributedWeightSync``'s bucket hand-over (its filler's) and delivery (its coordinator's)."""
         probe = self
-        sync._hand_over = self.timed("hand_over", sync._hand_over)
-        original_broadcast = sync._broadcast
+        sync.filler.hand_over = self.timed("hand_over", sync.filler.hand_over)
+        original_broadcast = sync.coordinator.deliver
 
         def broadcast_bucket(bucket, *args):
             before = probe.get("broadcast")  # only this thread broadcasts
@@ -93,9 +94,9 @@ class Probe:
                 total = time.perf_counter() - start
                 probe.add("engine_reply", total - (probe.get("broadcast") - before))
                 with probe.lock:  # another stage's bucket (pp2): its announcement, its bytes from that stage
-                    probe.bucket_sizes.append(getattr(bucket, "bucket", bucket).nbytes)
+                    probe.bucket_sizes.append(bucket.nbytes)
 
-        sync._broadcast = broadcast_bucket
+        sync.coordinator.deliver = broadcast_bucket
 
     def client(self, client):
         probe = self

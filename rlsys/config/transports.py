@@ -2,11 +2,11 @@
 
 ``rollout.sync.transport`` names one (``auto``: ``rlsys.config.resolve.sync_transports`` picks per engine):
 
-* ``broadcast``: the engine joins a broadcast group with the trainer (NCCL on GPU, gloo on CPU) and receives each
-  bucket from its writer's group (``rlsys.sync.groups``). The group is a collective over the writers, not a
-  per-bucket delivery, so the coordinator (``rlsys.sync.distributed``) runs it itself.
-* every other name is a **bucket transport**: rank 0 hands it each bucket whole, in the coordinator's order, and
-  it delivers it to its engines however it likes: ``tensor`` (``rlsys.sync.colocated``: SGLang's
+* ``broadcast`` (``rlsys.sync.broadcast.BroadcastTransport``): the engine joins a broadcast group with the trainer
+  (NCCL on GPU, gloo on CPU) and receives each bucket from its writer's group. The one transport that also lives
+  on the other writers: building its groups is a collective over them, and each writer broadcasts its own bytes.
+* every other name is a **bucket transport**: rank 0 hands it each bucket whole, in the coordinator's order
+  (``rlsys.sync.coordinator``), and it delivers it to its engines however it likes: ``tensor`` (``rlsys.sync.colocated``: SGLang's
   ``update_weights_from_tensor``, CUDA IPC handles on GPU), or a user's ``package.module:Class``, imported where
   the sync runs (trainer rank 0), so a new transport (disk, shared memory, RDMA) is a new module and one key in a
   YAML, with no edit inside rlsys.
@@ -41,9 +41,13 @@ class BucketTransport(Protocol):
 
     Built once per sync object on rank 0 as ``cls(engines, calls=..., timeout_s=...)``: ``engines`` are
     ``(client, tp)`` pairs (``rlsys.rollout.client.EngineClient`` and the engine's TP size), ``calls`` the sync's
-    thread pool for calls that block until the engine answered. Per sync: ``prepare``, then ``send`` for every
-    bucket, then ``finish``, or ``abort`` once anything failed; an error raised or put in a reply fails the sync
-    on every trainer rank with its message."""
+    thread pool for calls that block until the engine answered. ``connect`` whenever the engines are (re)connected
+    (first sync, engine restart, after a failed sync); per sync: ``prepare``, then ``send`` for every bucket, then
+    ``finish``, or ``abort`` once anything failed; an error raised or put in a reply fails the sync on every trainer
+    rank with its message."""
+
+    def connect(self) -> None:
+        """Before the first sync and again after an engine restart or a failed sync."""
 
     def prepare(self, version: int) -> None:
         """Before the first bucket (the engines are paused, their sessions open)."""
@@ -67,7 +71,7 @@ def transport_class(name: str) -> type:
         known = ", ".join(["auto", GROUP, *TRANSPORTS])
         raise ValueError(f"{KEY}: {name!r} is neither one of {known} nor a 'package.module:Class'")
     cls = load(name, TRANSPORTS, KEY)
-    missing = [m for m in ("prepare", "send", "finish", "abort") if not callable(getattr(cls, m, None))]
+    missing = [m for m in ("connect", "prepare", "send", "finish", "abort") if not callable(getattr(cls, m, None))]
     if missing:
         raise ValueError(f"{KEY}: {name} lacks {', '.join(missing)} (rlsys.config.transports.BucketTransport)")
     return cls

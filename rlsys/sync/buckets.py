@@ -29,6 +29,7 @@ class Bucket:
     tensors: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
     flat: torch.Tensor | None = None  # set when the bucket arrived flattened: ``tensors`` are views into it
+    sender: int = 0  # the trainer rank that broadcasts its bytes: 0, or (senders: writers) the writer holding it
 
     @classmethod
     def from_flat(cls, names: list[str], flat: torch.Tensor, dtypes: list[str], shapes: list[list[int]]) -> Bucket:
@@ -53,7 +54,7 @@ class Bucket:
         order = sorted(range(len(self.names)), key=lambda i: -self.tensors[i].element_size())
         if order == list(range(len(order))):
             return self  # keeps ``flat``: a received bucket was aligned by its sender
-        return Bucket([self.names[i] for i in order], [self.tensors[i] for i in order], self.nbytes)
+        return Bucket([self.names[i] for i in order], [self.tensors[i] for i in order], self.nbytes, sender=self.sender)
 
     def flattened(self, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """The bucket's bytes in order: ``flat`` if it has one, else written into ``buffer`` (reused across

@@ -163,8 +163,11 @@ class TensorTransport:
     def __init__(self, engines: list, *, calls: ThreadPoolExecutor, timeout_s: float):
         self.engines, self.calls, self.timeout_s = engines, calls, timeout_s
 
+    def connect(self) -> None:
+        pass  # no channel to build: every bucket is a call of its own
+
     def prepare(self, version: int) -> None:
-        pass  # nothing to set up: every bucket is a call of its own
+        pass
 
     def send(self, bucket: Bucket, version: int):
         call = functools.partial(self.update, version=version)

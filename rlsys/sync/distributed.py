@@ -1,5 +1,13 @@
 """Push the actor's weights into rollout engines: over a broadcast group (NCCL on GPU, gloo on CPU), or, for
-engines that share rank 0's devices, through ``update_weights_from_tensor`` (colocated).
+engines that share rank 0's devices, through ``update_weights_from_tensor`` (colocated), or any other transport.
+
+A sync is a pipeline of small parts, each a module: the source and the transforms and the bucketer that fill a
+rank's buckets (``rlsys.sync.fill``, ``rlsys.sync.transforms``, ``rlsys.sync.buckets``); one transport per kind
+behind one interface (connect, prepare, send a bucket, finish, abort: ``rlsys.config.transports``), the broadcast
+groups (``rlsys.sync.broadcast``) among them; on rank 0 the coordinator (``rlsys.sync.coordinator``), which owns
+the engines' sessions (``rlsys.sync.sessions``), the buckets' order and their turns with the other writers
+(``rlsys.sync.turns``); each other writer's side (``rlsys.sync.writer``); and the failure agreement over every
+trainer rank (``rlsys.sync.agreement``). ``DistributedWeightSync`` below builds them and runs one sync per call.
 
 Per sync, on every trainer rank (a collective over the training world):
 
@@ -13,14 +21,14 @@ Per sync, on every trainer rank (a collective over the training world):
    first broadcast starts early (``rlsys.sync.buckets.ramp_start``); under ``per_bucket`` its small tensors
    into buckets of their own, sent flattened (``buckets.is_small``).
 3. Each writer broadcasts its own buckets into its own group with the engines (``sync.senders: writers``,
-   the default; ``rlsys.sync.groups``), so that no byte crosses the trainer twice and rank 0 is not the
+   the default; ``rlsys.sync.broadcast``), so that no byte crosses the trainer twice and rank 0 is not the
    funnel of every stage's weights. Rank 0 still orders them: a writer sends each bucket's header (names,
    dtypes, shapes) to rank 0 over a gloo "funnel" group; when rank 0 gets to it, it tells the writer over
    a second gloo group to go (or to skip, after a failure: no send is left without a receiver), announces
    the bucket to the engines (``update_weights_from_distributed`` with that writer's group) while the writer
    broadcasts, and, once the engines answered, tells the writer whether the bucket landed. One bucket is in
    flight at a time (engines that received two groups' buckets in different orders would deadlock), and rank 0
-   takes turns: after each of its own buckets, the next of every writer still sending (``_take_turns``), so a
+   takes turns: after each of its own buckets, the next of every writer still sending (``rlsys.sync.turns``), so a
    tensor's TP parts land in neighbouring buckets and no writer's ready bucket waits for another's export. With
    ``senders: rank0`` (and whenever an engine is colocated) writers send the bytes to rank 0 instead, as a
    header and one flat uint8 tensor from a reused host buffer, and rank 0 broadcasts each received bucket as it
@@ -54,9 +62,10 @@ writer whose bucket an engine refused hears it from rank 0 at once (its broadcas
 abandons its group, which the next sync rebuilds too. When TP ranks gather, every rank posts the shards it owes its
 TP peers before it exports anything, and waits for them after its own turn (``iter_hf_tensors``'s ``sends``): a
 writer waiting for rank 0's go never holds up a peer whose turn comes first, failed sync or not. After a failure a
-rank's export still goes to its end (``_keep_failure``), so that its peers' shards are all received; should a
-shard still be left unreceived (a peer that died), the gathers' messages carry the sync's tag, so the next sync
-never takes it for another parameter's (gloo; NCCL ignores tags, and a dead peer breaks its group). SGLang puts TP
+rank's export still goes to its end (``rlsys.sync.agreement.FirstError``), so that its peers' shards are all
+received; should a shard still be left unreceived (a peer that died), the gathers' messages carry the sync's tag,
+so the next sync never takes it for another parameter's (gloo; NCCL ignores tags, and a dead peer breaks its
+group). SGLang puts TP
 parts together in rlsys's loader in its process (``rlsys.rollout.in_sglang.loader``, armed on every full sync);
 after the last bucket rank 0 has it check that no tensor is left incomplete.
 
@@ -89,12 +98,10 @@ transports take whole tensors, so their writers send through rank 0.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -104,38 +111,27 @@ from rlsys.errors import ConfigError
 from rlsys.host_threads import single_threaded
 from rlsys.ipc_allocator import refuse_expandable_segments
 from rlsys.local_ranks import node_address
-from rlsys.megatron.export import is_dense_writer, is_expert_writer, iter_hf_tensors
+from rlsys.megatron.export import is_dense_writer, is_expert_writer
 from rlsys.rollout.protocol import PAUSE_MODES
 from rlsys.sync import buckets as bk
-from rlsys.sync.buckets import Bucket, Bucketer, Handoff, send_bucket, send_end
+from rlsys.sync.agreement import FirstError, WeightSyncError, agree
+from rlsys.sync.broadcast import BroadcastTransport
+from rlsys.sync.coordinator import Coordinator
 from rlsys.sync.delta import DeltaEncoder
-from rlsys.sync.engine_calls import announce_bucket, first_error
-from rlsys.sync.groups import BroadcastGroups
-from rlsys.sync.parts import part_name
-from rlsys.sync.process_group import abandon_custom_process_group
+from rlsys.sync.fill import BucketFiller, Round
 from rlsys.sync.sessions import EngineSessions
 from rlsys.sync.stats import SyncStats
-from rlsys.sync.transforms import transformed
-from rlsys.sync.turns import RemoteBucket, WriterGaveUp, WriterTurns
+from rlsys.sync.turns import WriterGaveUp, WriterTurns
 from rlsys.sync.verify import TrainerChecksums
 from rlsys.sync.wire import dtype_name
+from rlsys.sync.writer import Writer
 
 
-class WeightSyncError(RuntimeError):
-    """A weight sync failed on some rank (an engine's error answer, a dead engine, a failed writer); raised on
-    every trainer rank with the failing rank's message."""
+class DistributedWeightSync:
+    """One trainer rank's weight sync: built on every trainer rank (a collective), ``sync`` called on every one.
 
-
-class _BucketRefused(RuntimeError):
-    """A writer's note that rank 0 reported its bucket failed in some engine; rank 0's error says why."""
-
-
-class DistributedWeightSync(BroadcastGroups, EngineSessions, WriterTurns):
-    """Owns the engine group and the funnel group; ``sync`` is called on every trainer rank.
-
-    ``engines`` (clients with SGLang's weight-update API) and ``engine_tp`` are only used on
-    rank 0; other ranks may pass empty lists.
-    """
+    ``engines`` (clients with SGLang's weight-update API) and ``engine_tp`` are only used on rank 0; other ranks
+    may pass empty lists. The other arguments are the resolved ``rollout.sync`` keys (``from_config``)."""
 
     def __init__(
         self,
@@ -157,65 +153,52 @@ class DistributedWeightSync(BroadcastGroups, EngineSessions, WriterTurns):
         senders: str = "writers",
         shards: str = "auto",
     ):
-        if pause_mode not in PAUSE_MODES:
-            raise ValueError(f"sync.pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
-        if weight_dtype not in ("auto", "fp8"):
-            raise ValueError(f"rollout.weight_dtype must be 'auto' or 'fp8', got {weight_dtype!r}")
-        if senders not in ("writers", "rank0"):
-            raise ValueError(f"sync.senders must be 'writers' or 'rank0', got {senders!r}")
-        if backend not in ("nccl", "gloo"):
-            raise ValueError(f"sync.backend must be nccl or gloo (rlsys.config.resolve decides auto), got {backend!r}")
-        if shards not in ("auto", "parts", "gather"):
-            raise ValueError(f"sync.shards must be 'auto', 'parts' or 'gather', got {shards!r}")
-        if load_format not in bk.LOAD_FORMATS:
-            raise ValueError(f"sync.load_format must be one of {bk.LOAD_FORMATS}, got {load_format!r}")
-        self.topo, self.arch = topo, arch
-        self.engines, self.engine_tp = engines, engine_tp
-        self.transports = list(transports) if transports is not None else [GROUP] * len(engines)
-        if len(self.transports) != len(engines):
-            raise ValueError(f"transports must name one transport per engine, got {self.transports!r}")
-        self.broadcast_engines = [e for e, t in zip(engines, self.transports) if t == GROUP]
-        self.broadcast_tp = [tp for tp, t in zip(engine_tp, self.transports) if t == GROUP]
-        if "tensor" in self.transports and topo.device.type == "cuda" and (problem := refuse_expandable_segments()):
+        _check(pause_mode, weight_dtype, senders, backend, shards, load_format)
+        transports = list(transports) if transports is not None else [GROUP] * len(engines)
+        if len(transports) != len(engines):
+            raise ValueError(f"transports must name one transport per engine, got {transports!r}")
+        if "tensor" in transports and topo.device.type == "cuda" and (problem := refuse_expandable_segments()):
             raise ConfigError("rollout.sync.transport", problem)  # this rank's allocator, not the controller's
-        self.bucket_bytes = int(bucket_mb * 2**20)
-        self.load_format, self.backend, self.timeout_s = load_format, backend, timeout_s
-        self.pause_mode = pause_mode  # in_place: requests in flight go on with the new weights (partial rollouts)
-        self.master_address = master_address or node_address()  # rank 0's node, as its engines' hosts see it
-        self.group_name = group_name
-        self.verify, self.weight_dtype, self.shards = verify, weight_dtype, shards
-        self._views = None  # what verification learned about the engines (probed once per connect)
-        self._views_fresh = False
-        self.last_unverifiable = 0
-        self._checks: TrainerChecksums | None = None
-        self._buffers: dict = {}  # (owner, device type) -> uint8 buffer, kept between syncs
+        self.topo, self.arch, self.timeout_s, self.verify = topo, arch, timeout_s, verify
         self.is_sender = dist.get_rank() == 0
-        self.group = None
-        self.connected = False
-        self.active_group_name = group_name
-        self.last_verification: list = []  # the engine reports of the last verified sync
+        self.control = dist.new_group(backend="gloo")  # every rank's verdict, whatever the training backend
         self._calls = ThreadPoolExecutor(max(4, 2 * len(engines)), "weight-sync", single_threaded)
         # rank 0: the engines that take each bucket whole from it, grouped by transport (rlsys.config.transports)
-        self.bucket_transports = build_transports(
-            self.transports, engines, engine_tp, calls=self._calls, timeout_s=timeout_s
-        )
-        self._choose_writers(topo, senders)
-        self.group_names: list[str] = []  # rank 0: the broadcast groups the engines hold, one per sending writer
+        bucket_transports = build_transports(transports, engines, engine_tp, calls=self._calls, timeout_s=timeout_s)
+        on_group = [(e, tp) for e, tp, t in zip(engines, engine_tp, transports) if t == GROUP]
+        incarnation = self._choose_writers(senders, shards, bool(on_group) and not bucket_transports)
         self.version = 0
-        self._failure: BaseException | None = None  # this sync's first send error (rank 0: an engine's)
-        self._groups_made = 0  # a rebuilt broadcast group gets a fresh name (the old one may hold a stale send)
-        self._sessions: list = []  # engines whose weight-update session is open
-        # delta sync: each writer's last sent values; rank 0 also mirrors what the other writers sent, for
-        # verification (it never sees their unsent tensors otherwise)
-        self.delta = DeltaEncoder() if delta else None
-        self._mirror: dict[str, torch.Tensor] = {}
-        self._seen: set[str] = set()  # the mirrored names sent in this sync
+        self.connected = False
         self._need_full = True  # rank 0: the engines' copies are unknown (first sync, reconnect, failure)
-        self._loaders: list = []  # rank 0: (SGLang engine, tp) running rlsys's loader (TP parts, deltas, CPU biases)
-        self._parts_ok = False  # rank 0: every engine takes TP parts (learned on connect)
-        self._turns: list[int] = []  # rank 0, during a sync: the writers whose buckets it still takes
         self.parts = False  # this sync: TP ranks send their own slices (rlsys.sync.parts), nobody gathers
         self.last_full = True
+        # delta sync: each writer's last sent values (rank 0 mirrors the others' in its turns, for verification)
+        self.delta = DeltaEncoder() if delta else None
+        self.broadcast = BroadcastTransport(
+            [e for e, _ in on_group], [tp for _, tp in on_group], self._calls,
+            writers=self.writers, direct=self.direct, agree=self._agree, backend=backend, timeout_s=timeout_s,
+            load_format=load_format, group_name=group_name, incarnation=incarnation, control=self.control,
+            master_address=master_address or node_address(),
+        )  # fmt: skip
+        ramp, flatten = self.is_sender or self.direct, self.direct or self.is_sender and bool(on_group)
+        self.filler = BucketFiller(
+            arch, topo, bucket_bytes=int(bucket_mb * 2**20), load_format=load_format, fp8=weight_dtype == "fp8",
+            delta=self.delta, ramp=ramp, flatten=flatten,
+        )  # fmt: skip
+        self.sessions = EngineSessions(
+            engines, engine_tp, self._calls, timeout_s=timeout_s, pause_mode=pause_mode, verify=verify,
+            delta=delta, shards=shards, weight_dtype=weight_dtype, split=topo.tp > 1 or topo.etp > 1,
+        )  # fmt: skip
+        turns = None
+        if len(self.writers) > 1:
+            turns = WriterTurns(
+                self.writers, self.funnel, self.acks, self.filler.buffers, direct=self.direct, delta=delta,
+                timeout_s=timeout_s, device=topo.device,
+            )  # fmt: skip
+        self.coordinator = Coordinator(
+            self.sessions, [*bucket_transports, self.broadcast], self.filler, turns, timeout_s=timeout_s
+        )
+        self.writer = Writer(self.filler, self.broadcast, self.funnel, self.acks, direct=self.direct)
 
     @classmethod
     def from_config(cls, topo, arch, engines, engine_tp, cfg, *, weight_dtype: str, transports):
@@ -225,29 +208,76 @@ class DistributedWeightSync(BroadcastGroups, EngineSessions, WriterTurns):
         given = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "transport"}
         return cls(topo, arch, engines, engine_tp, weight_dtype=weight_dtype, transports=transports, **given)
 
-    def _choose_writers(self, topo, senders: str) -> None:
-        # every rank's verdict on a sync, on a host-side group whatever the training backend
-        self.control = dist.new_group(backend="gloo")
-        # Writers broadcast their own buckets (rank 0 announces them), each TP rank its share (export's spread);
-        # not into colocated engines, which take rank 0's tensors. Rank 0 knows the transports and decides.
-        spread = senders == "writers" and bool(self.broadcast_tp) and not self.bucket_transports
+    def _choose_writers(self, senders: str, shards: str, only_groups: bool) -> str:
+        """Which ranks write (the same list everywhere) and whether each broadcasts its own buckets; returns this
+        trainer's incarnation, part of its group names. Writers broadcast their own (rank 0 announces them), each
+        TP rank its share (export's spread), only where every engine is on a broadcast group."""
+        spread = senders == "writers" and only_groups
         refused = None
-        if self.is_sender and self.shards == "parts" and not spread:
+        if self.is_sender and shards == "parts" and not spread:
             refused = "parts are broadcast by each TP rank into every engine: other transports take whole tensors"
-        decision = [spread, refused, os.urandom(3).hex()]  # and the incarnation in this trainer's group names
+        decision = [spread, refused, os.urandom(3).hex()]
         dist.broadcast_object_list(decision, src=0, group=self.control)
         if decision[1]:
             raise ConfigError("rollout.sync.shards", f"'parts' is impossible here ({decision[1]}): use auto or gather")
-        self.spread, self.incarnation = bool(decision[0]), decision[2]
-        # Writers in a fixed order, known to everyone; the funnel connects them to rank 0.
+        self.spread = bool(decision[0])
         flags = [None] * dist.get_world_size()
-        dist.all_gather_object(flags, is_dense_writer(topo, self.spread) or is_expert_writer(topo, self.spread))
+        mine = is_dense_writer(self.topo, self.spread) or is_expert_writer(self.topo, self.spread)
+        dist.all_gather_object(flags, mine)
         self.writers = [r for r, w in enumerate(flags) if w]
         if 0 not in self.writers:
             raise RuntimeError("global rank 0 must export weights (TP, PP, DP, EP rank 0); check the topology")
+        # the funnel carries the writers' buckets (or headers) to rank 0, the acks its answers back
         self.funnel = dist.new_group(self.writers, backend="gloo") if len(self.writers) > 1 else None
         self.acks = dist.new_group(self.writers, backend="gloo") if len(self.writers) > 1 else None
         self.direct = self.spread and len(self.writers) > 1
+        return decision[2]
+
+    # -- what the worker reads ----------------------------------------------------------------------
+
+    @property
+    def last_verification(self) -> list:
+        return self.sessions.last_verification
+
+    @property
+    def last_unverifiable(self) -> int:
+        return self.sessions.last_unverifiable
+
+    @property
+    def group(self):
+        return self.broadcast.group
+
+    @property
+    def active_group_name(self) -> str:
+        return self.broadcast.active_group_name
+
+    # -- connecting ---------------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """(Re)connect the engines: rank 0 checks each engine's release and loader (refused if unknown; they decide
+        the session protocol) and every transport connects; with writers broadcasting their own buckets, on every
+        trainer rank (a collective)."""
+        if self.direct:
+            error = None
+            try:
+                if self.is_sender:
+                    self.sessions.check(self.spread)
+            except Exception as e:
+                error = e
+            self._agree(error)
+        elif not self.is_sender:
+            return
+        else:
+            self.sessions.check(self.spread)
+        for t in self.coordinator.transports if self.is_sender else [self.broadcast]:
+            t.connect()
+        self.connected = True  # only now: a failed connect is tried again by the next sync
+        self._need_full = True  # a (re)started engine holds its checkpoint's weights, not the last sync's
+
+    def disconnect(self, broken: bool = False) -> None:
+        """Leave the broadcast group(s) (every writer its own); ``broken``: a send into one may be pending."""
+        self.connected = False
+        self.broadcast.disconnect(broken)
 
     # -- one sync -----------------------------------------------------------------------------------
 
@@ -258,297 +288,97 @@ class DistributedWeightSync(BroadcastGroups, EngineSessions, WriterTurns):
         Raises ``WeightSyncError`` on every rank when any rank or engine failed (see the module docstring)."""
         start = time.perf_counter()
         self.version += 1
-        stats = SyncStats()
-        rank = dist.get_rank()
-        error = None
+        stats, rank, error = SyncStats(), dist.get_rank(), None
         if self.direct:  # every writer joins the engines when rank 0 (re)connects
             connect = [not self.connected]
             dist.broadcast_object_list(connect, src=0, group=self.control)
             if connect[0]:
                 self.connect()
-        self._decide()
-        self._failure = None
+        rnd = self._decide()
         if self.is_sender:
             try:
-                self._prepare_engines()
-                for t in self.bucket_transports:
-                    t.prepare(self.version)
+                if not self.connected:
+                    self.connect()
+                rnd.checks = self.coordinator.prepare(self.version, self._need_full)
             except Exception as e:
                 error = e
-                self._abort_transports()
-                self._close_sessions(resume=True)  # nothing was sent: the engines still serve whole weights
         self._agree(error)
         if self.direct and self.verify:  # each writer hashes what it sends, for the engines' dtypes
-            views = [self._views]
+            views = [self.sessions.views]
             dist.broadcast_object_list(views, src=0, group=self.control)
-            if not self.is_sender:
-                self._checks = TrainerChecksums.for_engines(views[0]) if rank in self.writers else None
+            if not self.is_sender and rank in self.writers:
+                rnd.checks = TrainerChecksums.for_engines(views[0])
         try:
             if self.is_sender:
-                self._send_all(chunks, stats)
+                self.coordinator.send_all(chunks, rnd, stats, self.last_full)
             elif rank in self.writers:
-                self._write(chunks, stats)
+                self.writer.write(chunks, rnd, stats)
             else:
-                exported = iter_hf_tensors(
-                    chunks, self.arch, self.topo, spread=self.spread, parts=self._namer(), tag=self._tag()
-                )
-                for _ in exported:
+                for _ in self.filler.export(chunks, rnd):
                     pass  # the TP peers of a writer: gathers only
         except Exception as e:
             error = e
         if self.is_sender:
-            if error is not None or self._failure is not None:
-                self._abort_transports()
-                self._close_sessions(resume=False)  # paused: their weights are partly new
-                self.disconnect(broken=True)
-                if error is None and not isinstance(self._failure, WriterGaveUp):  # a writer says its own
-                    error = self._failure
-            else:
-                try:  # the sessions' end and verification are engine answers too: every rank hears of them
-                    for t in self.bucket_transports:
-                        t.finish(self.version)
-                    self._finish_engines()
-                except Exception as e:
-                    self._abort_transports()
-                    error = e
+            error = self._end(error, rnd)
         self._need_full = True  # until every rank agrees that this sync landed whole
         try:
             self._agree(error)
         except Exception:
             if self.direct:  # every rank drops its group (one may hold a pending send); the next sync rebuilds all
-                if self.is_sender:
-                    self.disconnect(broken=True)  # again after a failed finish, which left it connected
-                elif self.group is not None:
-                    abandon_custom_process_group(self.group)
-                    self.group = None
+                self.connected = False
+                self.broadcast.drop()
             raise
         self._need_full = False
         stats.seconds = time.perf_counter() - start
         stats.full = self.last_full
         return stats
 
-    def _abort_transports(self) -> None:
-        for t in self.bucket_transports:
-            with contextlib.suppress(Exception):  # the sync's own error is the one to report
-                t.abort()
+    def _end(self, error: BaseException | None, rnd: Round) -> BaseException | None:
+        """Rank 0 after the buckets: finish, or after any failure leave the engines paused and reconnect next time;
+        the error every rank then agrees on."""
+        if error is not None or rnd.failure.error is not None:
+            self.coordinator.fail()
+            self.disconnect(broken=True)  # paused, their weights partly new: the next sync rebuilds and sends whole
+            if error is None and not isinstance(rnd.failure.error, WriterGaveUp):  # a writer says its own
+                error = rnd.failure.error
+            return error
+        try:
+            self.coordinator.finish(self.version, self.parts, rnd.checks)
+        except Exception as e:
+            return e
+        return None
 
-    def _decide(self) -> None:
+    def _decide(self) -> Round:
         """Every rank learns from rank 0 whether this sync is whole (delta bases reset) or sends deltas, and whether
         TP ranks send their own parts (every engine takes them: known since the last connect)."""
-        if self.delta is None and not self.spread:
-            return
-        decision = [self._need_full or not self.connected, self._parts_ok]
-        dist.broadcast_object_list(decision, src=0, group=self.control)
-        self.parts = bool(decision[1])
-        if self.delta is None:
-            return
-        self.last_full = bool(decision[0])
-        self._seen = set()
-        if self.last_full:
-            self.delta.reset()
-            self._mirror.clear()
-
-    def _send_all(self, chunks, stats: SyncStats) -> None:
-        outbox = Handoff(
-            lambda bucket, slot: self._broadcast(bucket, slot, stats), timeout_s=self.timeout_s, skipped=self._skipped
-        )
-        self._gave_up: set[int] = set()  # the writers that sent their end as failed
-        self._turns, self._stats = list(self.writers[1:]), stats  # the writers still sending
-        sends: list = []  # its shards of what other TP writers export: they go once those writers broadcast
-        with outbox.closing():
-            self._export(chunks, outbox, sends)
-            while self._turns:
-                self._take_turns(outbox)
-        if self._failure is None:  # after one, a peer may never take them (tagged per sync: never taken later)
-            self._wait(sends)
-        if self._checks is not None:  # delta sync: what the other writers left unsent is verified too
-            for name in self._mirror.keys() - self._seen:
-                self._checks.add(name, self._mirror[name])
-        stats.peak_buckets = outbox.peak
-
-    def _write(self, chunks, stats: SyncStats) -> None:
-        # no timeout: the first bucket waits until rank 0 has sent its own, however long that takes
-        outbox = Handoff(self._cast_own if self.direct else self._send)
-        sends: list = []  # its shards of what its TP peers write: waited for once rank 0 may turn to them
-        try:
-            with outbox.closing():
-                self._export(chunks, outbox, sends)
-            if self._failure is not None:  # direct: a bucket that did not land
-                raise self._failure
-        except BaseException:
-            with contextlib.suppress(Exception):  # rank 0 stops receiving from this writer at once
-                send_end(0, self.funnel, failed=True)
-            raise
-        send_end(0, self.funnel)
-        if self.direct and self._checks is not None:
-            dist.send_object_list([self._checks], dst=0, group=self.funnel)
-        self._wait(sends)
-        stats.peak_buckets = outbox.peak
+        if self.delta is not None or self.spread:
+            decision = [self._need_full or not self.connected, self.sessions.parts_ok]
+            dist.broadcast_object_list(decision, src=0, group=self.control)
+            self.parts = bool(decision[1])
+            if self.delta is not None:
+                self.last_full = bool(decision[0])
+                if self.last_full:
+                    self.delta.reset()
+        return Round(self.version, self.spread, self.parts, FirstError())
 
     def _agree(self, error: BaseException | None) -> None:
-        """Every rank learns every rank's error; all raise if any failed (rank 0 keeps its exception type)."""
-        verdicts = [None] * dist.get_world_size()
-        mine = None if error is None else f"{type(error).__name__}: {error}"
-        dist.all_gather_object(verdicts, mine, group=self.control)
-        failed = [(r, v) for r, v in enumerate(verdicts) if v is not None]
-        if not failed:
-            return
-        if error is not None and failed[0][0] == dist.get_rank():
-            raise error
-        r, message = failed[0]
-        raise WeightSyncError(f"weight sync {self.version} failed on trainer rank {r}: {message}") from error
+        agree(error, self.control, self.version)
 
-    def _export(self, chunks, outbox: Handoff, sends: list | None = None) -> None:
-        # The first broadcast waits only for a small bucket; through rank 0 the other writers' fill while its go out,
-        # but direct writers take turns with rank 0 (_take_turns), so their first buckets hold the engines up too.
-        ramp = self.is_sender or self.direct
-        large = Bucketer(self.bucket_bytes, bk.ramp_start(self.bucket_bytes) if ramp else None)
-        # per_bucket: small tensors wait in buckets of their own that go flat, not one broadcast each
-        small = Bucketer(self.bucket_bytes) if self.load_format == "per_bucket" else None
-        exported = iter_hf_tensors(
-            chunks, self.arch, self.topo, spread=self.spread, sends=sends, parts=self._namer(), tag=self._tag()
-        )
-        for name, tensor in exported:
-            self._keep_failure(self._add, (large, small), outbox, name, tensor)
-        for last in (large.flush(), small.flush() if small is not None else None):
-            if last is not None:
-                self._keep_failure(self._hand_over, last, outbox)
 
-    def _keep_failure(self, step, *args) -> None:
-        """Run one step of handing the export over, unless the sync already failed; an error is kept in
-        ``_failure``, not raised, so that the export goes on: its gathers must all be received (see sync)."""
-        if self._failure is not None:
-            return
-        try:
-            step(*args)
-        except Exception as e:
-            self._failure = e
-
-    def _tag(self) -> int:
-        return self.version % (1 << 30)
-
-    def _namer(self):
-        """How TP parts are named this sync (``iter_hf_tensors``' ``parts``), or None: TP ranks gather."""
-        if not self.parts:
-            return None
-        return lambda p: part_name(p.name, p.dim, p.start, p.tensor.shape[p.dim], p.total)
-
-    def _add(self, bucketers: tuple, outbox: Handoff, name: str, tensor: torch.Tensor) -> None:
-        fp8 = self.weight_dtype == "fp8"
-        for sent, value in transformed(name, tensor, fp8=fp8, checks=self._checks, delta=self.delta):
-            large, small = bucketers
-            bucketer = small if small is not None and bk.is_small(value) else large
-            if bucketer.closes(value):
-                self._hand_over(bucketer.flush(), outbox)  # returns once the bucket before it is sent
-            bucketer.add(sent, value)
-            outbox.begin()
-
-    def _hand_over(self, bucket: Bucket, outbox: Handoff) -> None:
-        if (self.direct or self.is_sender and self.broadcast_engines) and bk.sends_flat(self.load_format, bucket):
-            # Flattened here, into the buffer of the bucket's slot, rather than on the broadcast thread: that
-            # thread is the busier one, and the exported tensors are freed as soon as they are copied.
-            bucket = bucket.aligned()
-            flat = bucket.flattened(self._buffer(outbox.slot, bucket.nbytes, self.topo.device))
-            bucket = Bucket.from_flat(bucket.names, flat, bucket.dtypes, bucket.shapes)
-        outbox.put(bucket)
-        if self.is_sender and self._turns:
-            self._take_turns(outbox)
-
-    def _buffer(self, key, nbytes: int, device) -> torch.Tensor:
-        """A uint8 buffer of ``nbytes`` that only the holder of ``key`` (a ``Handoff`` slot) writes."""
-        device = torch.device(device)
-        buf = self._buffers.get((key, device.type))
-        if buf is None or buf.numel() < nbytes:
-            self._buffers.pop((key, device.type), None)  # freed before its larger successor is allocated
-            buf = self._buffers[(key, device.type)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return buf[:nbytes]
-
-    def _send(self, bucket: Bucket, slot: int) -> None:
-        # one buffer: the send is synchronous and this thread sends one bucket at a time
-        send_bucket(bucket, 0, self.funnel, self._buffer("send", bucket.nbytes, "cpu"))
-
-    def _cast_own(self, bucket: Bucket, slot: int) -> None:
-        """A writer's bucket into its own group: the header to rank 0; on rank 0's go (it takes one bucket at a
-        time over all writers, so every engine receives them in one order) the bytes straight to the engines
-        while rank 0 announces them; then rank 0's verdict, once the engines answered."""
-        if self._failure is not None:  # kept, not raised: the export goes on for the TP peers' gathers (see sync)
-            return
-        try:
-            bucket = bucket.aligned()
-            send_bucket(bucket, 0, self.funnel, header_only=True)
-            answer = torch.zeros(1, dtype=torch.int64)
-            dist.recv(answer, src=0, group=self.acks)  # go, or skip after a failure: then no send is left pending
-            if answer.item():
-                raise _BucketRefused("rank 0 stopped this sync after an engine failed a bucket")
-            sends = self._cast(bucket)
-            dist.recv(answer, src=0, group=self.acks)  # after the engines answered
-            if answer.item():
-                raise _BucketRefused("rank 0 reported that an engine failed this writer's bucket")
-            self._wait(sends)
-        except Exception as e:
-            self._failure = e
-
-    def _wait(self, sends: list) -> None:
-        for send in sends:
-            send.wait(timeout=timedelta(seconds=self.timeout_s))
-
-    def _cast(self, bucket: Bucket) -> list:
-        tensors = [bucket.flat] if bk.sends_flat(self.load_format, bucket) else bucket.tensors  # flat: see _hand_over
-        return [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
-
-    def _broadcast(self, item: Bucket | RemoteBucket, slot: int, stats: SyncStats) -> None:
-        """One bucket into every engine (on the Handoff's thread), or, for another writer's, its announcement
-        and then the verdict to that writer. An error is kept in ``_failure``, not raised: the main thread
-        drains the sync, and the bucket's and later buckets' sends are skipped."""
-        remote = item if isinstance(item, RemoteBucket) else None
-        bucket = item.bucket if remote else item
-        if remote is not None and not self._answer(remote.src):  # skipped: the writer starts no send
-            return
-        if self._failure is None and bucket.names:
-            try:
-                self._broadcast_bucket(bucket.aligned(), src=0 if remote is None else remote.src)
-                stats.bytes += bucket.nbytes
-                stats.tensors += len(bucket.names)
-                stats.buckets += 1
-            except Exception as e:
-                self._failure = e
-        if remote is not None:  # the writer waits for the verdict whatever happened
-            self._answer(remote.src)
-
-    def _answer(self, writer: int, ok: bool | None = None) -> bool:
-        """Tell a writer whether its bucket goes on (before its send) or landed (after); whether it does."""
-        ok = self._failure is None if ok is None else ok
-        try:
-            dist.send(torch.tensor([int(not ok)], dtype=torch.int64), dst=writer, group=self.acks)
-        except Exception as e:
-            self._failure = self._failure or e
-        return ok
-
-    def _skipped(self, item) -> None:
-        """A bucket the outbox skips after an error: another writer's still waits for its answer."""
-        if isinstance(item, RemoteBucket):
-            self._answer(item.src, ok=False)
-
-    def _broadcast_bucket(self, bucket: Bucket, src: int = 0) -> None:
-        """``src``: the writer whose group carries the bytes; another writer's (direct) is only announced here,
-        that writer broadcasts it (``_cast_own``). The bucket transports' engines (colocated ones: one flattened
-        copy per TP rank, ``rlsys.sync.colocated``) take it whole, at the same time."""
-        fmt = "flattened_bucket" if bk.sends_flat(self.load_format, bucket) else None
-        whole = Bucket(bucket.names, bucket.tensors, bucket.nbytes)
-        with contextlib.ExitStack() as delivering:  # each transport's resources live until every engine answered
-            replies = [r for t in self.bucket_transports for r in delivering.enter_context(t.send(whole, self.version))]
-            if not self.broadcast_engines:
-                first_error(replies, self.timeout_s)
-                return
-            group_name = self.group_names[self.writers.index(src)] if src else self.active_group_name
-            replies += announce_bucket(
-                self._calls, self.broadcast_engines, bucket, group_name, self.version, fmt, self.timeout_s
-            )
-            sends = [] if src else self._cast(bucket)
-            # An engine answers once it has received the bucket, or at once with its error: waiting on the
-            # replies first turns an error answer into an error now, not a broadcast that waits out its timeout.
-            first_error(replies, self.timeout_s)
-            self._wait(sends)
+def _check(pause_mode, weight_dtype, senders, backend, shards, load_format) -> None:
+    """The values a config validated already; a direct caller's typo fails here, naming the key."""
+    if pause_mode not in PAUSE_MODES:
+        raise ValueError(f"sync.pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+    if weight_dtype not in ("auto", "fp8"):
+        raise ValueError(f"rollout.weight_dtype must be 'auto' or 'fp8', got {weight_dtype!r}")
+    if senders not in ("writers", "rank0"):
+        raise ValueError(f"sync.senders must be 'writers' or 'rank0', got {senders!r}")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"sync.backend must be nccl or gloo (rlsys.config.resolve decides auto), got {backend!r}")
+    if shards not in ("auto", "parts", "gather"):
+        raise ValueError(f"sync.shards must be 'auto', 'parts' or 'gather', got {shards!r}")
+    if load_format not in bk.LOAD_FORMATS:
+        raise ValueError(f"sync.load_format must be one of {bk.LOAD_FORMATS}, got {load_format!r}")
 
 
 __all__ = ["DistributedWeightSync", "SyncStats", "WeightSyncError", "dtype_name"]

@@ -1,11 +1,9 @@
-"""Rank 0's side of the other writers' buckets during a weight sync (``rlsys.sync.distributed``, whose
-``DistributedWeightSync`` this is a base of): taking turns with them, receiving each bucket's header (``senders:
-writers``: the writer broadcasts the bytes itself) or the whole bucket (``senders: rank0``), and mirroring what they
-sent for ``sync.verify`` under delta syncs."""
+"""Rank 0's side of the other writers' buckets during a weight sync (``rlsys.sync.coordinator``): taking turns with
+them, receiving each bucket's header (``senders: writers``: the writer broadcasts the bytes itself) or the whole
+bucket (``senders: rank0``), telling a writer whether its bucket goes on and landed, and mirroring what they sent
+for ``sync.verify`` under delta syncs."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -13,76 +11,113 @@ import torch.distributed as dist
 from rlsys.sync.buckets import Bucket, Handoff, WriterFailed, recv_bucket
 from rlsys.sync.delta import apply_delta
 from rlsys.sync.delta import split as split_delta
+from rlsys.sync.fill import Buffers, Round
+from rlsys.sync.stats import SyncStats
 
 
 class WriterGaveUp(RuntimeError):
     """Rank 0's note that a writer gave up; the writer's own error is the one every rank raises."""
 
 
-@dataclass
-class RemoteBucket:
-    """A bucket another writer broadcasts into its own group: rank 0 announces it to the engines."""
-
-    src: int
-    bucket: Bucket
-
-
 class WriterTurns:
-    """Rank 0's turns with the other writers; it reads the state ``DistributedWeightSync`` sets."""
+    """Rank 0's turns with the writers ``writers[1:]``: over ``funnel`` they send their buckets (or headers), over
+    ``acks`` rank 0 answers them; ``direct``: they broadcast the bytes themselves; ``delta``: mirror what they
+    sent, so that ``verify`` can hash every tensor as the engines hold it."""
 
-    def _take_turns(self, outbox: Handoff) -> None:
-        """Rank 0: the next bucket of every writer still sending, in writer order, after each of its own. The engines
+    def __init__(self, writers: list[int], funnel, acks, buffers: Buffers, *, direct: bool, delta: bool, **cfg):
+        self.writers, self.funnel, self.acks, self.buffers = writers, funnel, acks, buffers
+        self.direct, self.delta = direct, delta
+        self.timeout_s, self.device = cfg["timeout_s"], cfg["device"]
+        self.mirror: dict[str, torch.Tensor] = {}  # each tensor as the other writers last sent it (delta + verify)
+        self._seen: set[str] = set()  # the mirrored names sent in this sync
+        self.pending: list[int] = []  # the writers whose buckets rank 0 still takes
+        self.gave_up: set[int] = set()  # the writers that sent their end as failed
+        self._rnd: Round | None = None
+        self._stats: SyncStats | None = None
+
+    def start(self, rnd: Round, stats: SyncStats, full: bool) -> None:
+        self._rnd, self._stats = rnd, stats
+        self.pending, self.gave_up, self._seen = list(self.writers[1:]), set(), set()
+        if full:
+            self.mirror.clear()
+
+    def take(self, outbox: Handoff) -> None:
+        """The next bucket of every writer still sending, in writer order, after each of rank 0's own. The engines
         then never wait for one writer while another's bucket is ready, and a tensor's TP parts land in neighbouring
         buckets (SGLang holds a tensor until its last part arrived)."""
-        for src in list(self._turns):
+        rnd = self._rnd
+        for src in list(self.pending):
             try:
                 bucket = self._receive(src, outbox)
             except Exception as e:  # nothing from it for timeout_s (gloo then closes the connection): given up
-                self._failure = self._failure or e
-                self._gave_up.add(src)
+                rnd.failure.note(e)
+                self.gave_up.add(src)
                 bucket = None
             if bucket is not None:
-                outbox.put(RemoteBucket(src, bucket) if self.direct else bucket)  # after a failure: skipped
+                outbox.put(bucket)  # after a failure: skipped, and the writer told so (``skipped``)
                 self._stats.relayed_bytes += 0 if self.direct else bucket.nbytes
                 continue
-            self._turns.remove(src)
-            if self.direct and self._checks is not None and src not in self._gave_up:
+            self.pending.remove(src)
+            if self.direct and rnd.checks is not None and src not in self.gave_up:
                 theirs = [None]
                 dist.recv_object_list(theirs, src=src, group=self.funnel)
-                self._checks.merge(theirs[0])
+                rnd.checks.merge(theirs[0])
+
+    def answer(self, writer: int, ok: bool | None = None) -> bool:
+        """Tell a writer whether its bucket goes on (before its send) or landed (after); whether it does."""
+        failure = self._rnd.failure
+        ok = failure.error is None if ok is None else ok
+        try:
+            dist.send(torch.tensor([int(not ok)], dtype=torch.int64), dst=writer, group=self.acks)
+        except Exception as e:
+            failure.note(e)
+        return ok
+
+    def skipped(self, bucket: Bucket) -> None:
+        """A bucket the outbox skips after an error: another writer's still waits for its answer."""
+        if bucket.sender:
+            self.answer(bucket.sender, ok=False)
+
+    def unsent(self, checks) -> None:
+        """Delta sync: the tensors the other writers left unsent this time are verified as the engines hold them."""
+        for name in self.mirror.keys() - self._seen:
+            checks.add(name, self.mirror[name])
 
     def _receive(self, src: int, outbox: Handoff) -> Bucket | None:
         def into(nbytes: int) -> torch.Tensor:
             outbox.begin()
-            return self._buffer(outbox.slot, nbytes, "cpu")
+            return self.buffers.get(outbox.slot, nbytes, "cpu")
 
         try:
             bucket = recv_bucket(src, self.funnel, None if self.direct else into, self.timeout_s)
         except TimeoutError as e:
             raise TimeoutError(f"weight sync: writer rank {src} sent nothing for {self.timeout_s:g}s") from e
         except WriterFailed:
-            self._gave_up.add(src)
-            self._failure = self._failure or WriterGaveUp(src)  # nothing more goes to the engines
+            self.gave_up.add(src)
+            self._rnd.failure.note(WriterGaveUp(src))  # nothing more goes to the engines
             return None
-        if bucket is None or self.direct:
-            return bucket  # direct: its names, dtypes and shapes, which rank 0 announces
-        if self.topo.device.type != "cpu":  # gloo delivers to host memory; broadcast from the device like rank 0's own
-            flat = self._buffer(outbox.slot, bucket.nbytes, self.topo.device).copy_(bucket.flat)
+        if bucket is None:
+            return None
+        if self.direct:  # its names, dtypes and shapes, which rank 0 announces; the writer broadcasts the bytes
+            bucket.sender = src
+            return bucket
+        if self.device.type != "cpu":  # gloo delivers to host memory; broadcast from the device like rank 0's own
+            flat = self.buffers.get(outbox.slot, bucket.nbytes, self.device).copy_(bucket.flat)
             bucket = Bucket.from_flat(bucket.names, flat, bucket.dtypes, bucket.shapes)
-        if self._checks is not None:
+        if self._rnd.checks is not None:
             for n, t in zip(bucket.names, bucket.tensors):
-                self._checks.add(*self._mirrored(n, t))
+                self._rnd.checks.add(*self._mirrored(n, t))
         return bucket
 
     def _mirrored(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """A funneled tensor as the engines now hold it: ``tensor`` itself, or (delta sync) rank 0's mirror of
         it with the encoded delta applied."""
-        if self.delta is None:
+        if not self.delta:
             return name, tensor
         parts = split_delta(name)
         self._seen.add(name if parts is None else parts[0])
         if parts is None:
-            self._mirror[name] = tensor.clone()
+            self.mirror[name] = tensor.clone()
             return name, tensor
-        apply_delta(self._mirror[parts[0]], name, tensor)
-        return parts[0], self._mirror[parts[0]]
+        apply_delta(self.mirror[parts[0]], name, tensor)
+        return parts[0], self.mirror[parts[0]]

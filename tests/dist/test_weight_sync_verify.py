@@ -38,20 +38,21 @@ def _trainer(hf_dir, urls, out_dir):
     )
     from rlsys.worker.actor import build_policy_worker
 
-    class VerifyingSync(DistributedWeightSync):
-        """What sync.verify adds to the sender: every bucketed tensor is also hashed."""
-
-        def _add(self, bucketer, outbox, name, tensor):
-            self.checks.add(name, tensor)
-            sampled.add(name, tensor)
-            super()._add(bucketer, outbox, name, tensor)
-
     topo = build_topology(ParallelConfig(), device="cpu")
     worker = build_policy_worker(hf_dir, topo, RoleConfig(), None, trainable=False)
     clients = [EngineClient(u, timeout_s=60) for u in urls]
-    sync = VerifyingSync(
+    sync = DistributedWeightSync(
         topo, worker.engine.arch, clients, [1] * len(clients), bucket_mb=0.02, master_address="127.0.0.1"
     )
+    bucket_one = sync.filler.add
+
+    def add_hashed(rnd, bucketers, outbox, name, tensor, after_bucket):
+        """What sync.verify adds to the sender: every bucketed tensor is also hashed."""
+        sync.checks.add(name, tensor)
+        sampled.add(name, tensor)
+        bucket_one(rnd, bucketers, outbox, name, tensor, after_bucket)
+
+    sync.filler.add = add_hashed
     views = probe_engines(clients, 60)
     sync.checks = TrainerChecksums.for_engines(views)
     sampled = TrainerChecksums(checksums=False, samples=8, sample_rows=3)  # the SGLang way, on the same engine

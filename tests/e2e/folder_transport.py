@@ -21,6 +21,9 @@ class FolderTransport:
         self.folders: list[str] = []
         self.parents = None
 
+    def connect(self):
+        self.parents = None  # a restarted engine may serve another model folder
+
     def prepare(self, version):
         if self.parents is None:  # the model each engine started from (a disk update changes its model_path)
             infos = [engine.model_info(timeout_s=self.timeout_s) for engine, _tp in self.engines]
