@@ -6,10 +6,10 @@
   (NCCL on GPU, gloo on CPU) and receives each bucket from its writer's group. The one transport that also lives
   on the other writers: building its groups is a collective over them, and each writer broadcasts its own bytes.
 * every other name is a **bucket transport**: rank 0 hands it each bucket whole, in the coordinator's order
-  (``rlsys.sync.coordinator``), and it delivers it to its engines however it likes: ``tensor`` (``rlsys.sync.colocated``: SGLang's
-  ``update_weights_from_tensor``, CUDA IPC handles on GPU), or a user's ``package.module:Class``, imported where
-  the sync runs (trainer rank 0), so a new transport (disk, shared memory, RDMA) is a new module and one key in a
-  YAML, with no edit inside rlsys.
+  (``rlsys.sync.coordinator``), and it delivers it to its engines however it likes: ``tensor``
+  (``rlsys.sync.colocated``: SGLang's ``update_weights_from_tensor``, CUDA IPC handles on GPU), or a user's
+  ``package.module:Class``, imported where the sync runs (trainer rank 0), so a new transport (disk, shared
+  memory, RDMA) is a new module and one key in a YAML, with no edit inside rlsys.
 
 The coordinator keeps what makes a sync safe whatever the transport: it pauses the engines, opens their sessions,
 orders the buckets (one in flight), agrees on failure over every trainer rank and closes, verifies and continues
