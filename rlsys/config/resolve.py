@@ -36,6 +36,7 @@ import sys
 from rlsys.config.engines import ENGINES, Engine, engine
 from rlsys.config.registry import estimator_name, policy_loss_name
 from rlsys.config.schema import RolloutConfig, RunConfig
+from rlsys.config.stages import needed_before_update, stages
 from rlsys.config.transports import transport_class
 from rlsys.cpu_flags import cpu_flags
 from rlsys.errors import ConfigError
@@ -70,6 +71,11 @@ def resolve(cfg: RunConfig) -> RunConfig:
     out.algorithm.advantage.estimator = estimator_name(out.algorithm)
     out.algorithm.loss.policy_loss = policy_loss_name(out.algorithm)
     out.algorithm.schedule.old_logprob_pass = old_logprob_pass(out)
+    for warmup in (False, True):  # every need of a learning stage made before it (rlsys.config.stages)
+        try:
+            stages(out, warmup)
+        except ValueError as e:
+            raise ConfigError("algorithm", f"{e} (rlsys.config.stages.LEARN)") from None
     return out
 
 
@@ -146,12 +152,12 @@ def old_logprob_pass(cfg) -> str:
 def old_logprobs_from_update(cfg) -> bool:
     """Whether a step's actor update can compute the old-policy log-probs itself: it is one on-policy step (one
     epoch, one mini-batch), so the policy before it is the one it differentiates, and nothing needs them before
-    it does: no mismatch weights, no KL penalty in the rewards (it uses the reference's log-probs against them).
-    The critic's warm-up steps, which do not update the actor, still take a separate pass."""
-    algo = cfg.algorithm
-    s, has_ref = algo.schedule, cfg.ref.enabled and algo.kl.coef > 0
+    it does: no learning stage before the update reads them (``rlsys.config.stages``: mismatch weights, a KL
+    penalty in the rewards, a user's stage). The critic's warm-up steps, which do not update the actor, still take
+    a separate pass."""
+    s = cfg.algorithm.schedule
     single = (s.ppo_epochs, s.mini_batches_per_step) == (1, 1)
-    return single and algo.mismatch.mode == "none" and (not has_ref or algo.kl.use_loss)
+    return single and not needed_before_update(cfg, "old_logp")
 
 
 def sync_backend(cfg) -> str:

@@ -19,6 +19,7 @@ from rlsys.config.schema import (
     RunConfig,
     response_tokens,
 )
+from rlsys.config.stages import needed_before_update
 from rlsys.errors import ConfigError
 
 
@@ -268,13 +269,15 @@ def _check_cross_section(cfg: RunConfig) -> None:
     warmup = a.schedule.critic_warmup_steps
     if warmup:
         _need(cfg.critic.enabled, "algorithm.schedule.critic_warmup_steps", warmup, "needs critic.enabled: true")
+    before = needed_before_update(cfg, "old_logp")  # rlsys.config.stages
     _need(
         a.schedule.old_logprob_pass != "in_update" or old_logprobs_from_update(cfg),
         "algorithm.schedule.old_logprob_pass",
         "in_update",
-        "needs one on-policy update per step (ppo_epochs and mini_batches_per_step 1), no mismatch correction and "
-        "no KL penalty in the rewards: use auto or separate",
-    )
+        "needs one on-policy update per step (ppo_epochs and mini_batches_per_step 1) and no learning stage before "
+        "the update that reads the old log-probs" + (f" (here: {', '.join(before)})" if before else "")
+        + ": use auto or separate",
+    )  # fmt: skip
     _check_engine_memory(cfg)
     if cfg.trainer.async_mode != "sync":
         offloaded = [role for role in ROLES if getattr(cfg, role).offload]

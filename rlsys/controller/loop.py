@@ -6,17 +6,16 @@ batches, the Megatron role groups, the weight sync, checkpoints, loggers); ``ste
 
 from __future__ import annotations
 
-from rlsys.algorithms import AdvantageInputs, compute_advantages, masked_mean, mismatch_metrics, mismatch_weights
-from rlsys.algorithms import kl as kl_estimate
+import contextlib
+
 from rlsys.config import RunConfig
-from rlsys.config.registry import estimator_name
+from rlsys.config.stages import LEARN, stages
+from rlsys.controller.learning import RUNS, Learning
 from rlsys.controller.metrics import Timer, check_updates, sample_rows, step_metrics
 from rlsys.controller.replay import rollout_dir, save_rollout
 from rlsys.controller.run import Run, build_run
 from rlsys.errors import TrainingDiverged
-from rlsys.rollout.batch import RolloutBatch, loss_masks, response_tensors
-from rlsys.worker.batch import TrainBatch, pad_rows, unpad_rows
-from rlsys.worker.router_replay import engine_routing, update_routing
+from rlsys.rollout.batch import RolloutBatch
 
 
 def train(cfg: RunConfig, use_ray: bool = True, mode: str = "full", replay_dir: str | None = None) -> list[dict]:
@@ -95,81 +94,15 @@ def save(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
 
 
 def learn(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
-    """Stages 4-6 of step ``n`` on a scored batch, inside the training phase; returns their metrics."""
-    algo, turns = run.cfg.algorithm, run.turns
-    actor, ref, critic = run.roles["actor"], run.roles.get("ref"), run.roles.get("critic")
-    seqs, prompt_lens, engine_logp = response_tensors(rolled.samples)
-    batch = TrainBatch(seqs, prompt_lens)
-    batch.set("rollout_logp", engine_logp)
-    if (masks := loss_masks(rolled.samples)) is not None:  # multi-turn: tool output and glue are not trained
-        batch.set("loss_mask", masks)
-    if algo.router_replay == "R3":  # MoE: both trainer passes route as the engine did
-        batch.set_routing(engine_routing(rolled.samples, *run.moe_shape))
-    lengths, mask = batch.response_lengths, batch.response_mask()
-    # one on-policy update whose forward gives the old log-probs: no separate pass before it
-    in_update = algo.schedule.old_logprob_pass == "in_update" and n > algo.schedule.critic_warmup_steps
-    # 4. log-probs of the old policy (and the reference), values
-    with t("logprob"):
-        if not in_update:
-            old = actor.per_sample("compute_logprobs", batch, True)  # with entropy
-            batch.set("old_logp", old["logp"])
-            if algo.router_replay != "none":  # the update replays the routing these log-probs came from
-                batch.set_routing(update_routing(batch.routing, old.get("routing")))
-        ref_logp = values = None
-        if ref is not None:
-            with turns.on_device(ref):
-                batch.set("ref_logp", ref.per_sample("compute_logprobs", batch)["logp"])
-            ref_logp = batch.padded("ref_logp")
-        if critic is not None:
-            with turns.on_device(critic):
-                batch.set("values", critic.per_sample("compute_values", batch)["values"])
-            values = batch.padded("values")
-
-    # 5. advantages (+ train/inference mismatch correction)
-    reward_kl = 0.0 if algo.kl.use_loss else run.kl.beta  # PPO-style: the KL penalty goes into the rewards
-    old_logp = None if in_update else batch.padded("old_logp")
-    x = AdvantageInputs(rolled.scores, rolled.group_ids, mask, old_logp, ref_logp, values, reward_kl_coef=reward_kl)
-    adv, returns, metrics = compute_advantages(estimator_name(algo), algo.advantage, x)
-    batch.set("advantages", unpad_rows(adv, lengths))
-    if returns is not None:
-        batch.set("returns", unpad_rows(returns, lengths))
-    m = algo.mismatch
-    if m.mode != "none":
-        rollout_logp = batch.padded("rollout_logp")
-        weights, keep, mismatch = mismatch_weights(old_logp, rollout_logp, mask, m.mode, m.cap, m.level, m.lower)
-        batch.set("rollout_weights", unpad_rows(weights, lengths))
-        batch.set("loss_mask", unpad_rows(keep * mask, lengths))
-
-    # 6. update the critic, then the actor (VAPO: the critic alone for its first critic_warmup_steps)
-    with t("update"):
-        if critic is not None:
-            with turns.on_device(critic):
-                metrics.update(critic.update(batch, algo.schedule.mini_batches_per_step))
-        if in_update:  # the update's own forward gives the old log-probs
-            learned, old = actor.update_taking_old(batch, algo.schedule.mini_batches_per_step)
-            metrics.update(learned)
-            batch.set("old_logp", old["logp"])
-            old_logp = batch.padded("old_logp")
-        elif n > algo.schedule.critic_warmup_steps:
-            metrics.update(actor.update(batch, algo.schedule.mini_batches_per_step))
-
-    if m.mode == "none":
-        mismatch = mismatch_metrics(old_logp, batch.padded("rollout_logp"), mask)
-    metrics["actor/entropy"] = float(masked_mean(pad_rows(old["entropy"]), mask))
-    metrics["actor/kl"] = float(masked_mean(kl_estimate(old_logp, ref_logp, "k3"), mask)) if ref is not None else 0.0
-    metrics["actor/kl_coef"] = run.kl.beta
-    # every response token of the batch, tool output and glue included; actor/tokens counts those trained on
-    metrics["response/tokens"] = float(sum(lengths))
-    return metrics | rollout_mismatch(mismatch)
-
-
-# the engine-vs-trainer log-prob gap under the names the console, the plots and the README use
-_MISMATCH_NAMES = {
-    "mismatch/logp_diff_mean": "rollout/logprob_diff_mean",
-    "mismatch/logp_diff_max": "rollout/logprob_diff_max",
-    "mismatch/k3_kl": "rollout/k3_kl",
-}
-
-
-def rollout_mismatch(mismatch: dict) -> dict:
-    return {_MISMATCH_NAMES.get(k, k): float(v) for k, v in mismatch.items() if k.startswith("mismatch/")}
+    """Stages 4-6 of step ``n`` on a scored batch, inside the training phase; returns their metrics. The stages are
+    ``rlsys.config.stages.LEARN``'s that this step has, in their order, each declared by what it needs and makes:
+    4. the old policy's log-probs (unless the update's own forward gives them), the reference's, the values;
+    5. advantages and mismatch weights; 6. the critic's update, then the actor's (none in the critic's warm-up)."""
+    s = Learning.start(run, rolled)
+    for timer in {stage.timer for stage in LEARN if stage.timer}:  # reported every step: 0 for stages it had none of
+        t[f"time/{timer}_s"] = t.get(f"time/{timer}_s", 0.0)
+    for stage in stages(run.cfg, warmup=n <= run.cfg.algorithm.schedule.critic_warmup_steps):
+        on_device = run.turns.on_device(run.roles.get(stage.role)) if stage.turn else contextlib.nullcontext()
+        with t(stage.timer) if stage.timer else contextlib.nullcontext(), on_device:
+            RUNS[stage.name](s)
+    return s.finish()

@@ -7,10 +7,11 @@ Devices are numbered globally: device d is local device ``d % devices_per_node``
 
 from __future__ import annotations
 
-from rlsys.config import ROLES, RunConfig, response_tokens
+from rlsys.config import RunConfig, response_tokens
 
 # rlsys.plan re-exports them
 from rlsys.config.resolve import sync_load_format, sync_pause_mode, sync_transports  # noqa: F401
+from rlsys.config.stages import enabled_roles
 from rlsys.errors import ConfigError
 
 
@@ -25,13 +26,6 @@ def rollout_devices(cfg: RunConfig) -> int:
 
 def sequence_length(cfg: RunConfig) -> int:
     return cfg.data.max_prompt_len + response_tokens(cfg)
-
-
-def enabled_roles(cfg: RunConfig) -> list[str]:
-    """The Megatron roles a run builds: the actor, the critic if enabled, and the reference model if
-    enabled and some KL term uses it (with ``algorithm.kl.coef: 0`` it would compute log-probs for nothing)."""
-    uses_ref = cfg.algorithm.kl.coef > 0
-    return [r for r in ROLES if getattr(cfg, r).enabled and (r != "ref" or uses_ref)]
 
 
 def role_world_sizes(cfg: RunConfig) -> dict[str, int]:
