@@ -8,6 +8,7 @@ are left out; they exist for annotations only and never run.
 
 import ast
 import pathlib
+import types
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "rlsys"
 MAX_MODULE_LINES = 600
@@ -246,3 +247,28 @@ def test_no_auto_is_read_outside_the_resolve_step():
             if isinstance(node, ast.Compare) and any(_names_auto(s) for s in [node.left, *node.comparators]):
                 reads.append(f"{name}:{node.lineno}")
     assert reads == []
+
+
+def test_every_field_of_run_is_a_declared_seam_or_a_class():
+    """What ``loop.step`` calls on is named by its type: a Protocol (``rlsys.controller.seams``) or one concrete
+    class, never a union to dispatch on with ``isinstance`` nor ``Any``."""
+    import dataclasses
+    import typing
+
+    from rlsys.controller.run import Run
+    from rlsys.telemetry.metrics import MetricsLogger  # imported for type checking only there
+    from rlsys.telemetry.progress import ProgressReporter
+
+    hints = typing.get_type_hints(Run, localns={"MetricsLogger": MetricsLogger, "ProgressReporter": ProgressReporter})
+    loose = {}
+    for f in dataclasses.fields(Run):
+        hint = hints[f.name]
+        origin = typing.get_origin(hint)
+        if origin in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(hint) if a is not type(None)]
+            if len(args) > 1:  # optional is fine: one type or nothing
+                loose[f.name] = hint
+            continue
+        if hint is typing.Any or (origin is None and not isinstance(hint, type)):
+            loose[f.name] = hint
+    assert loose == {}
