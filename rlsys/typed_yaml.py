@@ -151,6 +151,12 @@ def merge(default: Any, raw: Any, tp: Any, path: str, moved: MovedKeys | None = 
             sub = f"{path}.{key}" if path else str(key)
             updates[key] = merge(getattr(default, key), value, hints[key], sub, moved)
         return dataclasses.replace(default, **updates)
+    if get_origin(tp) is dict and dataclasses.is_dataclass(get_args(tp)[1]):  # named sections (cluster.pools)
+        cls = get_args(tp)[1]
+        if not isinstance(raw, dict):
+            raise ConfigError(path, f"expected a mapping of names to {cls.__name__} mappings, got {raw!r}")
+        have = default or {}
+        return {str(k): merge(have.get(k, cls()), v, cls, f"{path}.{k}", moved) for k, v in raw.items()}
     return _check_value(raw, tp, path)
 
 
@@ -231,7 +237,12 @@ def to_dict(obj: Any) -> dict:
     out = {}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        out[f.name] = to_dict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = to_dict(value)
+        elif isinstance(value, dict) and any(dataclasses.is_dataclass(v) for v in value.values()):
+            out[f.name] = {k: to_dict(v) for k, v in value.items()}
+        else:
+            out[f.name] = copy.deepcopy(value)
     return out
 
 

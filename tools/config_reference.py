@@ -107,6 +107,9 @@ def sections(cfg=None) -> list[Section]:
             if dataclasses.is_dataclass(value):
                 nested.append((value, path))
                 continue
+            args = typing.get_args(hints[f.name])
+            if typing.get_origin(hints[f.name]) is dict and dataclasses.is_dataclass(args[1]):
+                nested.append((args[1](), f"{path}.<name>"))  # named sections (cluster.pools): one entry's keys
             doc = comments.get(type(obj).__name__, {}).get(f.name, "")
             section.keys.append(Key(path, type_name(hints[f.name]), value, doc))
         for value, path in nested:
@@ -186,6 +189,7 @@ def _scenarios() -> list[schema.RunConfig]:
     branches.rollout.sglang.env = {"MASTER_ADDR": "", "MASTER_PORT": ""}
     branches.rollout.multi_turn.env = "calculator"
     branches.rollout.multi_turn.agent = "agents:solve"
+    branches.cluster.pools = {"<name>": schema.PoolConfig()}  # its rules, under the reference's key names
     return [default, branches]
 
 

@@ -8,6 +8,10 @@ what (each function says why):
 key                                decided from
 =================================  ===========================================================================
 ``rollout.engine``                 SGLang where it runs here, else rlsys's CPU engine (the reason logged)
+``actor.pool``                     the only pool where there is one (``rlsys.config.pools``)
+``critic.pool``                    the only pool where there is one (``rlsys.config.pools``)
+``ref.pool``                       the only pool where there is one (``rlsys.config.pools``)
+``rollout.pool``                   the only pool where there is one (``rlsys.config.pools``)
 ``rollout.release_memory``         colocated CUDA engines rlsys launches release memory while the trainer runs
 ``rollout.dtype``                  the trainer's dtype; on CPU the engine's own (``rlsys.config.engines``)
 ``rollout.sync.backend``           nccl on CUDA, gloo on CPU
@@ -34,9 +38,10 @@ import subprocess
 import sys
 
 from rlsys.config.engines import ENGINES, Engine, engine
+from rlsys.config.pools import pool_of
 from rlsys.config.registry import estimator_name, policy_loss_name
 from rlsys.config.schema import RolloutConfig, RunConfig
-from rlsys.config.stages import needed_before_update, stages
+from rlsys.config.stages import enabled_roles, needed_before_update, stages
 from rlsys.config.transports import transport_class
 from rlsys.cpu_flags import cpu_flags
 from rlsys.errors import ConfigError
@@ -46,6 +51,10 @@ logger = logging.getLogger("rlsys.config")
 
 RESOLVED_KEYS = (
     "rollout.engine",
+    "actor.pool",
+    "critic.pool",
+    "ref.pool",
+    "rollout.pool",
     "rollout.release_memory",
     "rollout.dtype",
     "rollout.sync.backend",
@@ -62,6 +71,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
     the other decisions read what it declares."""
     out = copy.deepcopy(cfg)
     out.rollout.engine = rollout_engine(cfg)
+    placed_pools(out)
     r, s = out.rollout, out.rollout.sync
     r.release_memory = releases_engine_memory(out)
     r.dtype = engine_dtype(out.rollout, out.model.dtype, out.cluster.device)
@@ -128,7 +138,19 @@ def releases_engine_memory(cfg) -> bool:
     r = cfg.rollout
     if r.release_memory is not None:
         return r.release_memory
-    return cfg.cluster.colocate and not r.urls and cfg.cluster.device == "cuda"
+    return shares_actor_devices(cfg) and cfg.cluster.device == "cuda"
+
+
+def shares_actor_devices(cfg) -> bool:
+    """Whether the engines rlsys launches share devices with the actor: colocated, on the actor's pool."""
+    return cfg.cluster.colocate and not cfg.rollout.urls and pool_of(cfg, "rollout") == pool_of(cfg, "actor")
+
+
+def placed_pools(cfg) -> None:
+    """``<role>.pool`` and ``rollout.pool``: the pool each names, or the only pool (``rlsys.config.pools``);
+    ``ConfigError`` naming the key for an unknown pool, or for none named where there are several."""
+    for who in (*enabled_roles(cfg), "rollout"):
+        getattr(cfg, who).pool = pool_of(cfg, who).name
 
 
 def engine_dtype(cfg: RolloutConfig, model_dtype: str, device: str) -> str:
@@ -195,9 +217,10 @@ def sync_pause_mode(cfg) -> str:
 def sync_transports(cfg: RunConfig) -> list[str]:
     """How each engine receives the weights (``rlsys.sync.distributed``): ``tensor`` (colocated:
     ``update_weights_from_tensor``, CUDA IPC handles on GPU, the bytes inline in the HTTP body on CPU) or
-    ``broadcast`` (a weight-update group). The sender is actor rank 0, on device 0, so ``tensor`` reaches only
-    engines on the first node. On CPU ``auto`` broadcasts: a gloo group moves the bytes once, where the inline
-    payload is pickled, base64-encoded and parsed again (SmolLM2-135M fp32: 1.0 s against 25 s a sync)."""
+    ``broadcast`` (a weight-update group). The sender is actor rank 0, on its pool's first device, so ``tensor``
+    reaches only engines colocated on that node (engines on another pool take broadcast groups). On CPU ``auto``
+    broadcasts: a gloo group moves the bytes once, where the inline payload is pickled, base64-encoded and parsed
+    again (SmolLM2-135M fp32: 1.0 s against 25 s a sync)."""
     transports = _transports(cfg)
     if cfg.cluster.device == "cuda" and "tensor" in transports and (problem := refuse_expandable_segments()):
         raise ConfigError("rollout.sync.transport", problem)
@@ -205,7 +228,7 @@ def sync_transports(cfg: RunConfig) -> list[str]:
 
 
 def _transports(cfg: RunConfig) -> list[str]:
-    r, per_node = cfg.rollout, cfg.cluster.devices_per_node
+    r, per_node = cfg.rollout, pool_of(cfg, "actor").devices_per_node
     if r.sync.transport not in ("auto", "broadcast", "tensor"):  # a user's: every engine takes it
         try:
             transport_class(r.sync.transport)
@@ -222,9 +245,10 @@ def _transports(cfg: RunConfig) -> list[str]:
         if r.sync.transport == "tensor":
             raise ConfigError("rollout.sync.transport", "'tensor' is invalid with rollout.urls: use broadcast")
         return ["broadcast"] * len(r.urls)
-    first_node = [(i * r.tp + r.tp - 1) < per_node for i in range(r.num_engines)]
+    shared = shares_actor_devices(cfg)  # on another pool an engine never shares the actor's node
+    first_node = [shared and (i * r.tp + r.tp - 1) < per_node for i in range(r.num_engines)]
     if r.sync.transport == "broadcast":
-        if cfg.cluster.colocate and cfg.cluster.device == "cuda":
+        if shared and cfg.cluster.device == "cuda":
             raise ConfigError(
                 "rollout.sync.transport",
                 "'broadcast' is invalid with cluster.colocate on cuda: engine 0 shares GPU 0 with actor rank 0, and "
@@ -232,13 +256,13 @@ def _transports(cfg: RunConfig) -> list[str]:
             )
         return ["broadcast"] * r.num_engines
     if r.sync.transport == "tensor":
-        if not cfg.cluster.colocate or not all(first_node):
+        if not all(first_node):
             raise ConfigError(
                 "rollout.sync.transport",
-                "'tensor' is invalid here: it needs every engine colocated on the first node (cluster.colocate: true, "
-                f"engines within the first {per_node} devices); use 'auto'",
+                "'tensor' is invalid here: it needs every engine colocated with actor rank 0 (cluster.colocate: true, "
+                f"on the actor's pool, engines within its first {per_node} devices); use 'auto'",
             )
         return ["tensor"] * r.num_engines
-    if not cfg.cluster.colocate or cfg.cluster.device == "cpu":
+    if not shared or cfg.cluster.device == "cpu":
         return ["broadcast"] * r.num_engines
     return ["tensor" if local else "broadcast" for local in first_node]

@@ -66,6 +66,10 @@ def check_fields(cfg: RunConfig) -> None:
     _need(t.keep_last >= 0, "trainer.keep_last", t.keep_last, "must be >= 0 (0 = keep all)")
     _need(t.max_bad_steps >= 0, "trainer.max_bad_steps", t.max_bad_steps, "must be >= 0 (0 = never stop)")
     _positive(cfg.cluster, "cluster", "nodes", "devices_per_node")
+    for name, pool in cfg.cluster.pools.items():  # rlsys.config.pools
+        _positive(pool, f"cluster.pools.{name}", "nodes", "devices_per_node")
+        memory = pool.device_memory_gib
+        _need(memory is None or memory > 0, f"cluster.pools.{name}.device_memory_gib", memory, "must be > 0")
     _positive(cfg.logging, "logging", "log_every")
     _check_cross_section(cfg)
     _check_router_replay(cfg)

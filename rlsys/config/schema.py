@@ -89,6 +89,7 @@ class RoleConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)
     recompute: Recompute = "none"  # activation recomputation granularity
     offload: bool = False  # move weights/optimizer state to CPU while the rollout engines run
+    pool: str | None = None  # the cluster.pools entry it runs on; None: the only pool (rlsys.config.pools)
 
 
 @dataclass
@@ -176,6 +177,7 @@ class RolloutConfig:
     # it runs here, else cpu (rlsys.config.resolve.rollout_engine); or a user's package.module:NAME, an
     # rlsys.config.engines.Engine
     engine: str = "sglang"
+    pool: str | None = None  # the cluster.pools entry the engines run on; None: the only pool (rlsys.config.pools)
     tp: int = 1  # tensor parallel size of each engine
     num_engines: int = 1  # engines launched; each takes tp devices
     mem_fraction: float = 0.5  # share of device memory an engine may claim (static weights + KV cache)
@@ -443,6 +445,18 @@ class TrainerConfig:
 
 
 @dataclass
+class PoolConfig:
+    """One pool of like machines (rlsys.config.pools): roles and engines name the pool they run on."""
+
+    nodes: int = 1  # machines in the pool
+    devices_per_node: int = 8  # devices of each (GPUs; on CPU, processes that share its cores)
+    device_memory_gib: float | None = None  # usable memory of one device; set: rlsys plan checks the fit on this pool
+    kind: str = ""  # what the devices are (H800, A100-40GB, ...): shown by rlsys plan
+    # a custom resource only this pool's Ray nodes have (ray start --resources='{"NAME": 1}'); None: any node
+    ray_resource: str | None = None
+
+
+@dataclass
 class ClusterConfig:
     nodes: int = 1
     devices_per_node: int = 8
@@ -450,6 +464,8 @@ class ClusterConfig:
     colocate: bool = True  # training roles and rollout engines share all devices, taking turns
     device_memory_gib: float | None = None  # usable memory of one device (nvidia-smi); set: rlsys plan checks the fit
     ray_address: str | None = None  # existing Ray cluster; None = start a local one
+    # named pools of different machines (rlsys.config.pools); empty: one pool, cluster.nodes x devices_per_node
+    pools: dict[str, PoolConfig] = field(default_factory=dict)
 
 
 @dataclass

@@ -1,14 +1,16 @@
-"""Where every process of a run lives: one Ray placement group over all of the cluster's devices.
+"""Where every process of a run lives: one Ray placement group per pool of the cluster (``rlsys.config.pools``;
+one pool, the whole cluster, without ``cluster.pools``).
 
-The plan (``rlsys.plan``) numbers the devices globally: device d is local device ``d % devices_per_node``
-of node ``d // devices_per_node``; role ranks and engines take ranges of them (``device_offsets``).
-``Placement`` makes that true on a Ray cluster.
+The plan (``rlsys.plan``) numbers the devices globally, pool after pool, each node's devices consecutive; role
+ranks and engines take ranges of them inside their pool (``device_offsets``). ``Placement`` makes that true on
+a Ray cluster.
 
-On cuda it reserves one bundle {"GPU": 1, "CPU": 1} per device (PACK), asks a probe actor in every
-bundle which node and GPU it got, and sorts the bundles by (node IP, GPU id): global device d is the
-d-th bundle in that order. So rank r of every colocated role lands on the same GPU, a node's devices
-are consecutive, and TP groups and engines stay inside a node. On cpu a device is a process, not a
-core: one bundle {"CPU": devices_per_node} per node (STRICT_SPREAD), shared by that node's devices.
+On cuda it reserves one bundle {"GPU": 1, "CPU": 1} per device of a pool (PACK), asks a probe actor in every
+bundle which node and GPU it got, and sorts the pool's bundles by (node IP, GPU id): the pool's device d is the
+d-th bundle in that order. So rank r of every colocated role lands on the same GPU, a node's devices are
+consecutive, and TP groups and engines stay inside a node. On cpu a device is a process, not a core: one bundle
+{"CPU": devices_per_node} per node of the pool (STRICT_SPREAD), shared by that node's devices. A pool with a
+``ray_resource`` asks a little of it in every bundle, so its bundles land only on the Ray nodes that have it.
 
 Every process takes a share of its bundle (``SHARE``). Ray only accounts with it: the bundle index
 already fixes the device, and the share lets every process that may sit on one device (actor, ref,
@@ -23,6 +25,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from rlsys.config import RunConfig
+from rlsys.config.pools import DEFAULT, pools
 from rlsys.errors import ConfigError
 from rlsys.plan import (
     check_engine_gpus,
@@ -35,6 +38,7 @@ from rlsys.plan import (
 from rlsys.rollout.engine import EnginePlace
 
 SHARE = 0.2  # of a bundle's GPU and CPU per process: up to five processes per device
+POOL_SHARE = 0.001  # of a pool's ray_resource per bundle: only that its nodes have it matters
 # Ray leaves CUDA_VISIBLE_DEVICES alone with this set: the process sees every GPU of its node. Ranks and
 # engines all run so, and then agree on GPU numbers: CUDA IPC handles (colocated weight sync) name the
 # device by its index, and an engine is told its GPUs by index (--base-gpu-id).
@@ -43,6 +47,7 @@ NOSET_CUDA = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 
 @dataclass(frozen=True)
 class Device:
+    pg: object  # its pool's placement group
     bundle: int  # index in the placement group
     node_ip: str
     node_id: str  # Ray's node id: tells apart nodes that share an IP
@@ -70,51 +75,39 @@ def local_gpu_index(gpu_id, visible: str | None) -> int:
 
 
 class Placement:
-    """The run's placement group and the device of every role rank and engine. Build with ``create``."""
+    """The run's placement groups (one per pool) and the device of every role rank and engine. Build with
+    ``create``."""
 
-    def __init__(self, pg, devices: list[Device], cuda: bool, sizes: dict, offsets: dict, engines: int, engine_tp: int):
-        """``sizes``: ranks per role; ``offsets``: first global device of each role and of ``"rollout"``
-        (``rlsys.plan.device_offsets``); ``engines`` rlsys launches (0 with ``rollout.urls``) of ``engine_tp``
-        devices each. ``create`` derives them from the config."""
-        self.pg, self.devices, self.cuda = pg, devices, cuda
+    def __init__(
+        self, pgs, devices: list[Device], cuda: bool, sizes: dict, offsets: dict, engines: int, engine_tp: int
+    ):
+        """``pgs``: the pools' placement groups; ``devices``: each global device's bundle; ``sizes``: ranks per
+        role; ``offsets``: first global device of each role and of ``"rollout"`` (``rlsys.plan.device_offsets``);
+        ``engines`` rlsys launches (0 with ``rollout.urls``) of ``engine_tp`` devices each. ``create`` derives them
+        from the config."""
+        self.pgs, self.devices, self.cuda = list(pgs), devices, cuda
         self.sizes, self.offsets, self.num_engines, self.engine_tp = sizes, offsets, engines, engine_tp
         self.node_id = _this_node_id()  # the controller's node: its engines start as its own processes
 
     @classmethod
     def create(cls, cfg: RunConfig, timeout_s: float = 60.0) -> Placement:
-        """Reserve the cluster's devices (after ``ray.init``) and order them; ``ConfigError`` when the
-        Ray cluster cannot hold ``cluster.nodes * cluster.devices_per_node`` devices within ``timeout_s``."""
-        from ray.util.placement_group import placement_group, remove_placement_group
+        """Reserve every pool's devices (after ``ray.init``) and order them; ``ConfigError`` naming the pool when
+        the Ray cluster cannot hold one within ``timeout_s``."""
+        from ray.util.placement_group import remove_placement_group
 
         check_engines_fit(cfg)  # also part of rlsys plan (validate_layout); cheap to repeat before Ray works
-        c, cuda = cfg.cluster, cfg.cluster.device == "cuda"
-        total = c.nodes * c.devices_per_node
-        if cuda:
-            bundles, strategy = [{"GPU": 1, "CPU": 1} for _ in range(total)], "PACK"
-        else:
-            bundles, strategy = [{"CPU": c.devices_per_node} for _ in range(c.nodes)], "STRICT_SPREAD"
-        pg = placement_group(bundles, strategy=strategy)
-        if not pg.wait(timeout_s):
-            remove_placement_group(pg)
-            need = "a GPU and a CPU per device" if cuda else "a CPU per device, on distinct nodes"
-            raise ConfigError(
-                "cluster",
-                f"Ray could not reserve cluster.nodes * cluster.devices_per_node = {c.nodes} * {c.devices_per_node} "
-                f"= {total} devices ({need}) within {timeout_s:g} s; the Ray cluster has {_summary(cuda)}. "
-                "Set cluster.nodes and cluster.devices_per_node to what the cluster has, or free or add nodes",
-            )
+        cuda, groups, devices = cfg.cluster.device == "cuda", [], []
         try:
-            found = _probe(pg, len(bundles), cuda)
-            if cuda:
-                devices = sorted(found, key=_order)
-                check_node_shape(list(Counter(d.node_id for d in devices).values()), c.nodes, c.devices_per_node)
-            else:
-                devices = [d for d in sorted(found, key=_order) for _ in range(c.devices_per_node)]
+            for pool in pools(cfg):
+                pg, found = _reserve(cfg, pool, cuda, timeout_s)
+                groups.append(pg)
+                devices += found
             sizes, tp = role_world_sizes(cfg), cfg.rollout.tp
-            placement = cls(pg, devices, cuda, sizes, device_offsets(cfg, sizes), rollout_devices(cfg) // tp, tp)
+            placement = cls(groups, devices, cuda, sizes, device_offsets(cfg, sizes), rollout_devices(cfg) // tp, tp)
             placement._check_engine_gpus()
         except BaseException:
-            remove_placement_group(pg)
+            for pg in groups:
+                remove_placement_group(pg)
             raise
         return placement
 
@@ -177,12 +170,14 @@ class Placement:
         """Release the devices; Ray kills every actor still placed on them."""
         from ray.util.placement_group import remove_placement_group
 
-        remove_placement_group(self.pg)
+        for pg in self.pgs:
+            remove_placement_group(pg)
 
     def _options(self, device: int, env: dict[str, str]) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self.devices[device].bundle)
+        d = self.devices[device]
+        strategy = PlacementGroupSchedulingStrategy(d.pg, placement_group_bundle_index=d.bundle)
         options = {"scheduling_strategy": strategy, "num_cpus": SHARE}
         if self.cuda:
             options["num_gpus"] = SHARE
@@ -196,6 +191,47 @@ class Placement:
         for i in range(self.num_engines):
             devices = self.engine_devices(i)
             check_engine_gpus(i, [self.gpu_id(d) for d in devices], self.node_ip(devices[0]))
+
+
+def _reserve(cfg: RunConfig, pool, cuda: bool, timeout_s: float) -> tuple:
+    """One pool's placement group and its devices in the global order (see the module docstring)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    label = {pool.ray_resource: POOL_SHARE} if pool.ray_resource else {}
+    if cuda:
+        bundles, strategy = [{"GPU": 1, "CPU": 1, **label} for _ in range(pool.devices)], "PACK"
+    else:
+        bundles, strategy = [{"CPU": pool.devices_per_node, **label} for _ in range(pool.nodes)], "STRICT_SPREAD"
+    pg = placement_group(bundles, strategy=strategy, name=f"rlsys-{pool.name}")
+    if not pg.wait(timeout_s):
+        remove_placement_group(pg)
+        raise ConfigError("cluster.pools" if cfg.cluster.pools else "cluster", _unreserved(pool, cuda, timeout_s))
+    try:
+        found = _probe(pg, len(bundles), cuda)
+        if cuda:
+            devices = sorted(found, key=_order)
+            check_node_shape(list(Counter(d.node_id for d in devices).values()), pool.nodes, pool.devices_per_node)
+        else:
+            devices = [d for d in sorted(found, key=_order) for _ in range(pool.devices_per_node)]
+    except BaseException:
+        remove_placement_group(pg)
+        raise
+    return pg, devices
+
+
+def _unreserved(pool, cuda: bool, timeout_s: float) -> str:
+    need = "a GPU and a CPU per device" if cuda else "a CPU per device, on distinct nodes"
+    if pool.name == DEFAULT:
+        shape = f"cluster.nodes * cluster.devices_per_node = {pool.nodes} * {pool.devices_per_node}"
+        fix = "Set cluster.nodes and cluster.devices_per_node to what the cluster has, or free or add nodes"
+    else:
+        shape = f"pool {pool.name}'s {pool.nodes} * {pool.devices_per_node}"
+        where = f"Ray nodes with the resource {pool.ray_resource!r}" if pool.ray_resource else "Ray nodes"
+        fix = f"Size cluster.pools.{pool.name} to the {where} there are, or free or add such nodes"
+    return (
+        f"Ray could not reserve {shape} = {pool.devices} devices ({need}) within {timeout_s:g} s; the Ray cluster "
+        f"has {_summary(cuda, pool.ray_resource)}. {fix}"
+    )
 
 
 def _this_node_id() -> str | None:
@@ -225,7 +261,7 @@ def _probe(pg, count: int, cuda: bool) -> list[Device]:
     finally:
         for a in actors:
             ray.kill(a)
-    return [Device(b, ip, node, gpu) for b, (ip, node, gpu) in enumerate(found)]
+    return [Device(pg, b, ip, node, gpu) for b, (ip, node, gpu) in enumerate(found)]
 
 
 def _order(d: Device) -> tuple:
@@ -233,11 +269,13 @@ def _order(d: Device) -> tuple:
     return address.version, int(address), d.node_id, d.gpu_id or 0, d.bundle
 
 
-def _summary(cuda: bool) -> str:
-    """What the Ray cluster has of the devices' resource, e.g. '4 GPU on 2 node(s) (2 + 2), 1 free'."""
+def _summary(cuda: bool, resource: str | None = None) -> str:
+    """What the Ray cluster has of the devices' resource (on the nodes with ``resource``), e.g. '4 GPU on 2
+    node(s) (2 + 2), 1 free'."""
     import ray
 
     kind = "GPU" if cuda else "CPU"
-    nodes = [n["Resources"][kind] for n in ray.nodes() if n["Alive"] and n["Resources"].get(kind)]
+    alive = [n for n in ray.nodes() if n["Alive"] and (resource is None or n["Resources"].get(resource))]
+    nodes = [n["Resources"][kind] for n in alive if n["Resources"].get(kind)]
     free = ray.available_resources().get(kind, 0)
     return f"{sum(nodes):g} {kind} on {len(nodes)} node(s) ({' + '.join(f'{x:g}' for x in nodes)}), {free:g} free"

@@ -13,6 +13,7 @@ import math
 
 from rlsys.architectures.hf_config import ModelArch
 from rlsys.config import ParallelConfig, RoleConfig, RunConfig
+from rlsys.config.pools import locate, pool_of, pools
 from rlsys.errors import ConfigError, UserError
 from rlsys.plan.devices import (
     device_offsets,
@@ -20,7 +21,6 @@ from rlsys.plan.devices import (
     rollout_devices,
     sequence_length,
     sync_transports,
-    total_devices,
 )
 from rlsys.plan.grid import dp_size, expert_tp
 
@@ -37,26 +37,40 @@ def validate_layout(cfg: RunConfig, arch: ModelArch) -> None:
 
 
 def _check_devices(cfg: RunConfig, sizes: dict[str, int]) -> None:
-    total = total_devices(cfg)
-    have = f"cluster.nodes * cluster.devices_per_node = {total}"
+    """Each pool holds what runs on it (``rlsys.config.pools``; one pool: the whole cluster)."""
+    for pool in pools(cfg):
+        on = {n: size for n, size in sizes.items() if pool_of(cfg, n) == pool}
+        engines = rollout_devices(cfg) if pool_of(cfg, "rollout") == pool else 0
+        _check_pool(cfg, pool, on, engines, sizes)
+
+
+def _check_pool(cfg: RunConfig, pool, sizes: dict[str, int], engines: int, every: dict[str, int]) -> None:
+    total = pool.devices
+    if cfg.cluster.pools:
+        have = f"pool {pool.name}'s {pool.nodes} x {pool.devices_per_node} = {total}"
+    else:
+        have = f"cluster.nodes * cluster.devices_per_node = {total}"
     if cfg.cluster.colocate:
         for role, size in sizes.items():
             if size > total:
                 raise ConfigError(f"{role}.world_size", f"{size} is invalid: more devices than {have}")
-        if rollout_devices(cfg) > total:
+        if engines > total:
             raise ConfigError(
                 "rollout.num_engines",
-                f"{cfg.rollout.num_engines} engines x tp {cfg.rollout.tp} need "
-                f"{rollout_devices(cfg)} devices, more than {have}",
+                f"{cfg.rollout.num_engines} engines x tp {cfg.rollout.tp} need {engines} devices, more than {have}",
             )
         return
-    needed = sizes["actor"] + sizes.get("critic", 0) + rollout_devices(cfg)
-    if sizes["actor"] < 1 or needed > total:
-        parts = f"actor {sizes['actor']} + critic {sizes.get('critic', 0)} + rollout {rollout_devices(cfg)}"
-        raise ConfigError("cluster", f"disaggregated roles need {parts} = {needed} devices, but {have}")
-    if sizes.get("ref", 0) > sizes["actor"]:
+    shares_actor = "ref" in sizes and "actor" in sizes  # the reference runs on the actor's devices
+    needed = sum(size for n, size in sizes.items() if not (n == "ref" and shares_actor)) + engines
+    if any(size < 1 for size in sizes.values()) or needed > total:
+        alone = [("ref", sizes["ref"])] if "ref" in sizes and not shares_actor else []
+        entries = [("actor", sizes.get("actor", 0)), ("critic", sizes.get("critic", 0)), *alone, ("rollout", engines)]
+        parts = " + ".join(f"{n} {size}" for n, size in entries)
+        where = "disaggregated roles" + (f" on pool {pool.name}" if cfg.cluster.pools else "")
+        raise ConfigError("cluster", f"{where} need {parts} = {needed} devices, but {have}")
+    if shares_actor and every["ref"] > every["actor"]:
         raise ConfigError(
-            "ref.world_size", f"{sizes['ref']} is invalid: ref runs on the actor's {sizes['actor']} devices"
+            "ref.world_size", f"{every['ref']} is invalid: ref runs on the actor's {every['actor']} devices"
         )
 
 
@@ -217,8 +231,10 @@ def _check_rollout(cfg: RunConfig, arch: ModelArch) -> None:
         )
     if arch.num_attention_heads % r.tp:
         raise ConfigError("rollout.tp", f"{r.tp} does not divide num_attention_heads={arch.num_attention_heads}")
-    if not r.urls and total_devices(cfg) % r.tp:
-        raise ConfigError("rollout.tp", f"{r.tp} does not divide the cluster's {total_devices(cfg)} devices")
+    pool = pool_of(cfg, "rollout")
+    if not r.urls and pool.devices % r.tp:
+        where = f"pool {pool.name}'s" if cfg.cluster.pools else "the cluster's"
+        raise ConfigError("rollout.tp", f"{r.tp} does not divide {where} {pool.devices} devices")
     seq = sequence_length(cfg)
     if seq > arch.max_position_embeddings:
         key, value = (
@@ -234,22 +250,23 @@ def _check_rollout(cfg: RunConfig, arch: ModelArch) -> None:
 
 
 def check_engines_fit(cfg: RunConfig) -> None:
-    """Each engine must sit inside one node: rlsys launches single-node SGLang servers (a larger model is
-    served in FP8, ``rollout.weight_dtype: fp8``, or with more, smaller engines)."""
-    per_node, tp = cfg.cluster.devices_per_node, cfg.rollout.tp
+    """Each engine must sit inside one node of its pool: rlsys launches single-node SGLang servers (a larger model
+    is served in FP8, ``rollout.weight_dtype: fp8``, or with more, smaller engines)."""
+    pool, tp = pool_of(cfg, "rollout"), cfg.rollout.tp
+    per_node = pool.devices_per_node
     if rollout_devices(cfg) == 0:
         return
     if tp > per_node:
+        key = f"pool {pool.name}'s devices_per_node" if cfg.cluster.pools else "cluster.devices_per_node"
         raise ConfigError(
             "rollout.tp",
-            f"{tp} is invalid: engines larger than a node (cluster.devices_per_node = {per_node}) are not "
-            "supported; use rollout.tp <= cluster.devices_per_node (rollout.weight_dtype: fp8 halves the "
-            "engine weights) and more engines",
+            f"{tp} is invalid: engines larger than a node ({key} = {per_node}) are not supported; use "
+            f"rollout.tp <= {per_node} (rollout.weight_dtype: fp8 halves the engine weights) and more engines",
         )
     offset = device_offsets(cfg, role_world_sizes(cfg))["rollout"]
     for i in range(cfg.rollout.num_engines):
         first = offset + i * tp
-        if first // per_node != (first + tp - 1) // per_node:
+        if locate(cfg, first)[0] != locate(cfg, first + tp - 1)[0]:
             raise ConfigError(
                 "rollout.tp",
                 f"engine {i} would take devices {first}..{first + tp - 1}, across two nodes of "

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 
 from rlsys.architectures.hf_config import ModelArch, arch_from_dict, read_arch
 from rlsys.config import ModelConfig, ParallelConfig, RoleConfig, RunConfig
+from rlsys.config.pools import locate, pool_of, pools
 from rlsys.errors import ConfigError
 from rlsys.plan.checks import validate_layout
 from rlsys.plan.devices import device_offsets, role_world_sizes, sequence_length, sync_transports
 from rlsys.plan.grid import dp_size, expert_dp_size, expert_tp, grid_label, rank_coords
-from rlsys.plan.memory import check_fit
+from rlsys.plan.memory import check_fit, engine_weight_bytes
 from rlsys.sizing import (
     MemoryEstimate,
     ParamCount,
@@ -97,6 +98,9 @@ class Plan:
     engines: tuple[EnginePlan, ...]  # empty when attached by URL
     rollout_urls: tuple[str, ...]
     phases: tuple = ()  # rlsys.plan.memory.Phase per phase and kind of device
+    pools: tuple = ()  # rlsys.config.pools.Pool, in the global device numbering's order
+    placed: tuple = ()  # (role or "rollout", its pool's name)
+    bytes_across_pools: float = 0.0  # per sync: the weights that reach engines on another pool than the actor's
     sync_transports: tuple[str, ...] = ()  # per engine: "tensor" (colocated) or "broadcast"
 
     def role(self, name: str) -> RolePlan:
@@ -132,11 +136,8 @@ def _role_shape(name: str, role: RoleConfig, size: int, cfg: RunConfig) -> RoleS
 def _role_plan(name: str, size: int, offset: int, cfg: RunConfig, arch: ModelArch) -> RolePlan:
     role = getattr(cfg, name)
     # A copy: the plan is a value, and the config's dataclasses stay mutable.
-    p, per_node = dataclasses.replace(role.parallel), cfg.cluster.devices_per_node
-    ranks = tuple(
-        RankPlacement(rank=r, node=(offset + r) // per_node, device=(offset + r) % per_node, **rank_coords(r, p, size))
-        for r in range(size)
-    )
+    p = dataclasses.replace(role.parallel)
+    ranks = tuple(RankPlacement(r, *locate(cfg, offset + r), **rank_coords(r, p, size)) for r in range(size))
     shape = _role_shape(name, role, size, cfg)
     stages = [estimate_memory(arch, shape, s) for s in range(p.pp)]
     largest = max(range(p.pp), key=lambda s: stages[s].total)
@@ -163,7 +164,7 @@ def build_plan(cfg: RunConfig, arch: ModelArch) -> Plan:
         ()
         if r.urls
         else tuple(
-            EnginePlan(index=e, devices=tuple(divmod(offsets["rollout"] + e * r.tp + i, per_node) for i in range(r.tp)))
+            EnginePlan(index=e, devices=tuple(locate(cfg, offsets["rollout"] + e * r.tp + i) for i in range(r.tp)))
             for e in range(r.num_engines)
         )
     )
@@ -172,7 +173,7 @@ def build_plan(cfg: RunConfig, arch: ModelArch) -> Plan:
         params=count_params(arch),
         dtype=cfg.model.dtype,
         seq_len=sequence_length(cfg),
-        nodes=cfg.cluster.nodes,
+        nodes=sum(p.nodes for p in pools(cfg)),
         devices_per_node=per_node,
         device=cfg.cluster.device,
         colocate=cfg.cluster.colocate,
@@ -181,7 +182,15 @@ def build_plan(cfg: RunConfig, arch: ModelArch) -> Plan:
         rollout_tp=r.tp,
         engines=engines,
         rollout_urls=tuple(r.urls),
+        pools=tuple(pools(cfg)),
+        placed=tuple((n, pool_of(cfg, n).name) for n in [*sizes, "rollout"]),
     )
+    across = 0.0
+    if engines and pool_of(cfg, "rollout") != pool_of(cfg, "actor"):  # each engine receives the whole model
+        across = engine_weight_bytes(cfg, arch) * r.tp * r.num_engines
     return dataclasses.replace(
-        plan, phases=tuple(check_fit(cfg, plan, arch)), sync_transports=tuple(sync_transports(cfg))
+        plan,
+        phases=tuple(check_fit(cfg, plan, arch)),
+        sync_transports=tuple(sync_transports(cfg)),
+        bytes_across_pools=across,
     )

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from rlsys.config import RunConfig, releases_engine_memory, response_tokens
 from rlsys.config.engines import engine
+from rlsys.config.pools import Pool, pool_of, pools
 from rlsys.config.resolve import engine_dtype
 from rlsys.errors import ConfigError
 from rlsys.plan.devices import sync_transports
@@ -54,6 +55,8 @@ class Phase:
     name: str
     parts: dict[str, float] = field(default_factory=dict)  # what -> bytes per device, at the phase's fullest
     device: str = "device"  # which kind of device that was
+    memory_gib: float | None = None  # that device's usable memory (its pool's), where known
+    pool: str = ""
 
     @property
     def total(self) -> float:
@@ -94,6 +97,7 @@ class _Device:
     roles: list[str]  # the roles with ranks on it
     engines: bool  # whether engines run on it
     trainer: bool  # whether a trainer rank uses it (its CUDA context and NCCL buffers)
+    pool: Pool
     peaks: dict[str, Phase] = field(default_factory=dict)
 
 
@@ -107,7 +111,7 @@ class _Walk:
         self.resident = {n: {"params", "grads", "optimizer"} if n not in self.offloaded else set() for n in self.roles}
         self.built: set[str] = set()
         self.has_engines = len(plan.engines) > 0
-        device = (cfg.cluster.device_memory_gib or 0.0) * GIB
+        device = (pool_of(cfg, "rollout").device_memory_gib or 0.0) * GIB
         self.engine_all = cfg.rollout.mem_fraction * device if self.has_engines else 0.0
         self.engine_weights = engine_weight_bytes(cfg, arch) if self.has_engines else 0.0
         self.engines_held: set[str] = set()  # nothing before they start
@@ -118,15 +122,7 @@ class _Walk:
         gpu = cfg.cluster.device == "cuda"  # CUDA contexts and NCCL buffers; a CPU process has neither
         self.overhead, self.residue = (OVERHEAD_GIB * GIB, ENGINE_RESIDUE_GIB * GIB) if gpu else (0.0, 0.0)
         self.consumers = sum(cfg.rollout.tp for t in sync_transports(cfg) if t == "tensor") if self.has_engines else 0
-        if cfg.cluster.colocate:
-            self.devices = [_Device("device", list(self.roles), self.has_engines, True)]
-        else:
-            actor_side = [n for n in self.roles if n != "critic"]
-            self.devices = [_Device("actor device", actor_side, False, True)]
-            if "critic" in self.roles:
-                self.devices.append(_Device("critic device", ["critic"], False, True))
-            if self.has_engines:
-                self.devices.append(_Device("engine device", [], True, False))
+        self.devices = _device_kinds(cfg, list(self.roles), self.has_engines)
 
     # -- what a device holds ---------------------------------------------------------------------
 
@@ -152,12 +148,13 @@ class _Walk:
                 parts["engine"] = self._engine_bytes()
             if d.trainer:
                 parts["overhead"] = self.overhead
-            for key in (d.label, "engine" if d.engines else None):
+            for key in (d.label, "engine" if d.engines else None, "actor" if "actor" in d.roles else None):
                 for what, nbytes in extra.get(key, {}).items():
                     parts[what] = parts.get(what, 0.0) + nbytes
             seen = d.peaks.get(phase)
             if seen is None or sum(parts.values()) > seen.total:
-                d.peaks[phase] = Phase(phase, {k: v for k, v in parts.items() if v}, d.label)
+                kept = {k: v for k, v in parts.items() if v}
+                d.peaks[phase] = Phase(phase, kept, d.label, d.pool.device_memory_gib, d.pool.name)
 
     # -- moves -----------------------------------------------------------------------------------
 
@@ -221,11 +218,7 @@ class _Walk:
             # a broadcast lands in a bucket the engine allocates; update_weights_from_tensor reads the sender's;
             # attached engines (rollout.urls) receive on devices this plan does not know
             received = self.bucket + self._parts_bucket() if self.has_engines and not self.consumers else 0.0
-            received = {"receive bucket": received}
-            if self.cfg.cluster.colocate:
-                self._note(phase, {"device": {**sender, **received}})
-            else:
-                self._note(phase, {"actor device": sender, "engine": received})
+            self._note(phase, {"actor": sender, "engine": {"receive bucket": received}})
         else:  # generate: what the engines hold is all there is
             self._note(phase)
 
@@ -237,6 +230,32 @@ class _Walk:
         assembles = engine(c.rollout.engine).assembles_parts
         parts = assembles and c.rollout.sync.shards != "gather" and not c.cluster.colocate
         return float(self.bucket) if split and parts else 0.0
+
+
+def _device_kinds(cfg: RunConfig, roles: list[str], engines: bool) -> list[_Device]:
+    """The kinds of device, per pool (``rlsys.config.pools``): colocated, one per pool holding its roles and
+    engines; else the actor's (with the reference on the same pool), the reference's on a pool of its own, the
+    critic's, the engines'. Labelled as before on one pool, with the pool's name on several."""
+    engine_pool = pool_of(cfg, "rollout")
+    named = len(pools(cfg)) > 1
+    kinds = []
+    if cfg.cluster.colocate:
+        for p in pools(cfg):
+            on = [n for n in roles if pool_of(cfg, n) == p]
+            here = engines and engine_pool == p
+            if on or here:
+                kinds.append(_Device(f"{p.name} device" if named else "device", on, here, bool(on), p))
+        return kinds
+    actor = pool_of(cfg, "actor")
+    groups = [("actor", [n for n in roles if n == "actor" or (n == "ref" and pool_of(cfg, n) == actor)])]
+    groups += [(n, [n]) for n in ("ref", "critic") if n in roles and n not in groups[0][1]]
+    for name, on in groups:
+        p = pool_of(cfg, name)
+        kinds.append(_Device(f"{name} device" + (f" ({p.name})" if named else ""), on, False, True, p))
+    if engines:
+        label = "engine device" + (f" ({engine_pool.name})" if named else "")
+        kinds.append(_Device(label, [], True, False, engine_pool))
+    return kinds
 
 
 def phases(cfg: RunConfig, plan, arch, order: tuple[PhaseOrder, ...] = ORDER) -> list[Phase]:
@@ -253,10 +272,8 @@ def check_fit(cfg: RunConfig, plan, arch, order: tuple[PhaseOrder, ...] = ORDER)
     """Raise ``ConfigError`` naming the phase, the device and the numbers when a device would overflow (where
     ``cluster.device_memory_gib`` gives its size); return the phases."""
     found = phases(cfg, plan, arch, order)
-    device = cfg.cluster.device_memory_gib
-    if not device:
-        return found
-    if plan.engines:
+    device = pool_of(cfg, "rollout").device_memory_gib
+    if plan.engines and device:
         weights = engine_weight_bytes(cfg, arch) / GIB
         budget = ENGINE_WEIGHT_SHARE * cfg.rollout.mem_fraction * device
         if weights > budget:
@@ -267,9 +284,11 @@ def check_fit(cfg: RunConfig, plan, arch, order: tuple[PhaseOrder, ...] = ORDER)
                 "raise rollout.mem_fraction or rollout.tp, or serve FP8 (rollout.weight_dtype: fp8)",
             )
     for phase in found:
-        if phase.total / GIB > HEADROOM * device:
+        device = phase.memory_gib
+        if device and phase.total / GIB > HEADROOM * device:
+            key = f"cluster.pools.{phase.pool}.device_memory_gib" if cfg.cluster.pools else "cluster.device_memory_gib"
             raise ConfigError(
-                "cluster.device_memory_gib",
+                key,
                 f"the {phase.name} phase needs {phase.amount()}, more than {HEADROOM:.0%} of {device:g} GiB: "
                 f"offload roles ({'/'.join(r.name for r in plan.roles)}.offload), release engine memory "
                 "(rollout.release_memory), lower rollout.mem_fraction or spread the model over more devices",

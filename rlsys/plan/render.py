@@ -74,17 +74,35 @@ def _phase_lines(plan: Plan) -> list[str]:
     return ["", head] + [f"  {p.describe()}" for p in plan.phases]
 
 
+def _pool_lines(plan: Plan) -> list[str]:
+    """Each pool, what runs on it, and the weights that cross pools per sync (one pool: nothing to say)."""
+    if len(plan.pools) < 2:
+        return []
+    on: dict[str, list[str]] = {}
+    for who, pool in plan.placed:
+        on.setdefault(pool, []).append("engines" if who == "rollout" else who)
+    lines = ["pools (rlsys.config.pools):"]
+    lines += [f"  {p.label()}; runs {', '.join(on.get(p.name, [])) or 'nothing'}" for p in plan.pools]
+    if plan.bytes_across_pools:
+        lines.append(
+            f"  weights crossing pools per sync: {plan.bytes_across_pools / GIB:.2f} GiB (the model, once per engine)"
+        )
+    return [*lines, ""]
+
+
 def render_plan(plan: Plan) -> str:
     p = plan.params
     moe = p.experts > 0
     parts = f"embedding {human_count(p.embedding)}, attention {human_count(p.attention)}, "
     parts += f"experts {human_count(p.experts)}" if moe else f"mlp {human_count(p.dense_mlp)}"
     placement = "colocated" if plan.colocate else "disaggregated"
+    shape = f"{plan.nodes} node(s) x {plan.devices_per_node}" if len(plan.pools) < 2 else f"{plan.nodes} node(s) in"
+    shape += f" {len(plan.pools)} pools of" if len(plan.pools) > 1 else ""
     lines = [
         f"model: {plan.model_type}, {human_count(p.total)} parameters ({parts}), {plan.dtype}",
-        f"sequence: up to {plan.seq_len} tokens; cluster: {plan.nodes} node(s) x {plan.devices_per_node} "
-        f"{plan.device} devices, {placement}",
+        f"sequence: up to {plan.seq_len} tokens; cluster: {shape} {plan.device} devices, {placement}",
         "",
+        *_pool_lines(plan),
     ]
     for role in plan.roles:
         lines += _role_lines(role, moe)

@@ -3,9 +3,11 @@
 
 import dataclasses
 import difflib
+import typing
 
 import pytest
 
+from rlsys.config import schema
 from rlsys.config.schema import RunConfig
 from tools import config_reference
 
@@ -26,13 +28,18 @@ def test_the_committed_page_is_what_the_schema_generates():
 
 
 def leaf_keys(section, prefix=""):
-    """Every dotted key of the config tree, walked here independently of the generator."""
+    """Every dotted key of the config tree, walked here independently of the generator; a mapping of named
+    sections (``cluster.pools``) is its own key and then one entry's keys under ``<name>``."""
+    hints = typing.get_type_hints(type(section), vars(schema))
     for f in dataclasses.fields(section):
         value, path = getattr(section, f.name), f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
             yield from leaf_keys(value, f"{path}.")
-        else:
-            yield path
+            continue
+        yield path
+        args = typing.get_args(hints[f.name])
+        if typing.get_origin(hints[f.name]) is dict and dataclasses.is_dataclass(args[1]):
+            yield from leaf_keys(args[1](), f"{path}.<name>.")
 
 
 def test_every_schema_key_has_a_row():

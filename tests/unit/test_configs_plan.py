@@ -62,6 +62,8 @@ CONFIGS = {
     "deepseek-v3-671b-grpo.yaml": Expected(
         "H200 141GB", 16, "TP8 x PP4 x CP1 x EP32 x DP4", (16, 16, 16, 13), (16, 8), True
     ),
+    # two pools, each with its own GPUs' memory (cluster.pools), which rlsys plan checks itself
+    "qwen2.5-7b-pools-grpo.yaml": Expected(None, 5, "TP4 x PP1 x CP1 x EP1 x DP8", (28,), (4, 2), False),
 }
 
 # Layouts for H100 80GB that the headers of the H200 configs document, as overrides.
@@ -177,7 +179,7 @@ def test_layout_matches_the_table(name):
     cfg = load_config(_path(name))
     plan = _plan(cfg)
     actor = plan.role("actor")
-    assert (cfg.cluster.nodes, actor.label(), actor.stage_layers) == (want.nodes, want.actor, want.stages)
+    assert (plan.nodes, actor.label(), actor.stage_layers) == (want.nodes, want.actor, want.stages)
     assert (cfg.rollout.num_engines, cfg.rollout.tp, cfg.cluster.colocate) == (*want.engines, want.colocate)
 
 

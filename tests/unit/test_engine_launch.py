@@ -138,8 +138,8 @@ def test_engines_split_the_cores_of_their_own_node_only():
 
     # devices 0-1 on node a, 2-3 on node b; engine 0 on device 1, engines 1 and 2 on devices 2 and 3
     nodes = [("a", "10.0.0.1"), ("a", "10.0.0.1"), ("b", "10.0.0.2"), ("b", "10.0.0.2")]
-    devices = [Device(i, ip, node, i % 2) for i, (node, ip) in enumerate(nodes)]
-    placement = Placement(None, devices, True, {"actor": 1}, {"actor": 0, "rollout": 1}, engines=3, engine_tp=1)
+    devices = [Device(None, i, ip, node, i % 2) for i, (node, ip) in enumerate(nodes)]
+    placement = Placement([], devices, True, {"actor": 1}, {"actor": 0, "rollout": 1}, engines=3, engine_tp=1)
     places = placement.engine_places()
     assert [p.on_node for p in places] == [(0, 1), (0, 2), (1, 2)]
     assert [(p.host, p.gpu) for p in places] == [("10.0.0.1", 1), ("10.0.0.2", 0), ("10.0.0.2", 1)]

@@ -18,23 +18,26 @@ def _get(cfg, key):
     return cfg
 
 
+ONE_POOL = ["cluster", None, None, "cluster"]  # actor, critic, ref, rollout: disabled roles name none
+
+
 @pytest.mark.parametrize(
     "config, overrides, expected",
     [
         (
             "configs/tiny-cpu-grpo.yaml",
             [],
-            ["cpu", False, "fp32", "gloo", "per_bucket", "abort", "grpo", "ppo_clip", "in_update"],
+            ["cpu", *ONE_POOL, False, "fp32", "gloo", "per_bucket", "abort", "grpo", "ppo_clip", "in_update"],
         ),
         (
             "configs/qwen3-8b-dapo.yaml",
             [],
-            ["sglang", True, "bf16", "nccl", "flattened_bucket", "abort", "grpo", "ppo_clip", "separate"],
+            ["sglang", *ONE_POOL, True, "bf16", "nccl", "flattened_bucket", "abort", "grpo", "ppo_clip", "separate"],
         ),
         (  # fully-async partial rollouts that continue across a sync: retract; SGLang on CPU serves bf16
             "configs/tiny-cpu-fully-async-grpo.yaml",
             ["trainer.fully_async.partial_rollout=continue", "rollout.engine=sglang"],
-            ["sglang", False, "bf16", "gloo", "flattened_bucket", "retract", "grpo", "ppo_clip", "separate"],
+            ["sglang", *ONE_POOL, False, "bf16", "gloo", "flattened_bucket", "retract", "grpo", "ppo_clip", "separate"],
         ),
         (  # what the user gave is kept
             "configs/qwen3-8b-dapo.yaml",
@@ -46,7 +49,7 @@ def _get(cfg, key):
                 "rollout.sync.pause_mode=abort",
                 "actor.offload=false",
             ],
-            ["sglang", False, "fp16", "nccl", "per_tensor", "abort", "grpo", "gspo", "separate"],
+            ["sglang", *ONE_POOL, False, "fp16", "nccl", "per_tensor", "abort", "grpo", "gspo", "separate"],
         ),  # fmt: skip
     ],
 )
