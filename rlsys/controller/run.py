@@ -14,7 +14,9 @@ train            ``Replay`` (saved batches)   actor, ref, ...   ``NoSync``      
 from __future__ import annotations
 
 import functools
+import json
 import os
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -151,6 +153,7 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
         if ckpt is not None:
             with turns.on_device(actor, critic):
                 state = checkpoints.resume(ckpt)
+    write_placement(out_dir, cfg, roles, engines)
     syncing = actor is not None and engines is not None
     kl = _kl_controller(cfg)
     start = _take_up(state, prompts, kl, source)
@@ -190,6 +193,22 @@ def write_resolved(cfg: RunConfig, out_dir: str) -> None:
     path = os.path.join(out_dir, "resolved.yaml")
     with open(path + ".tmp", "w") as f:
         f.write(dump_yaml(cfg))
+    os.replace(path + ".tmp", path)
+
+
+def write_placement(out_dir: str, cfg: RunConfig, roles: dict, engines) -> None:
+    """``out_dir/placement.json``: where every process of the run sits, each role's ranks and the engines by
+    node address, under the pool each runs on (``rlsys.config.pools``)."""
+    where = {
+        name: {"pool": getattr(cfg, name).pool, "nodes": [info["node"] for info in group.infos]}
+        for name, group in roles.items()
+    }
+    if engines is not None:
+        hosts = [urllib.parse.urlsplit(u).hostname for u in engines.urls]
+        where["rollout"] = {"pool": cfg.rollout.pool if not cfg.rollout.urls else None, "nodes": hosts}
+    path = os.path.join(out_dir, "placement.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(where, f, indent=1)
     os.replace(path + ".tmp", path)
 
 

@@ -84,9 +84,9 @@ def _pool_lines(plan: Plan) -> list[str]:
     lines = ["pools (rlsys.config.pools):"]
     lines += [f"  {p.label()}; runs {', '.join(on.get(p.name, [])) or 'nothing'}" for p in plan.pools]
     if plan.bytes_across_pools:
-        lines.append(
-            f"  weights crossing pools per sync: {plan.bytes_across_pools / GIB:.2f} GiB (the model, once per engine)"
-        )
+        across = plan.bytes_across_pools
+        amount = f"{across / GIB:.2f} GiB" if across >= GIB / 10 else f"{across / 2**20:.2f} MiB"  # tiny CPU models
+        lines.append(f"  weights crossing pools per sync: {amount} (the model, once per engine)")
     return [*lines, ""]
 
 

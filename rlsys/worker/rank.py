@@ -66,8 +66,11 @@ class RankWorker:
             )
         self.sync = None
         t = self.topo
+        from rlsys.local_ranks import node_address
+
         return {
             "rank": rank,
+            "node": node_address(),  # where it runs, as its peers reach it (output_dir/placement.json)
             "dp_rank": t.dp_rank,
             "dp": t.dp,
             "reporter": t.is_last_stage and t.tp_rank == 0 and t.cp_rank == 0,

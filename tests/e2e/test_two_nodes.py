@@ -18,30 +18,6 @@ CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny-cp
 NODES = ["127.0.0.2", "127.0.0.3"]
 
 
-@pytest.fixture
-def ray_nodes():
-    """Start a Ray cluster of raylets at the given addresses (a head without CPUs, so nothing lands there)."""
-    from ray.cluster_utils import Cluster
-
-    clusters = []
-
-    def start(ips: list[str]) -> str:
-        if ray.is_initialized():  # an earlier test's local instance: train would attach to it, not to this cluster
-            ray.shutdown()
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-        clusters.append(cluster)
-        for ip in ips:
-            cluster.add_node(num_cpus=2, node_ip_address=ip)
-        cluster.wait_for_nodes()
-        return cluster.address
-
-    yield start
-    if ray.is_initialized():
-        ray.shutdown()
-    for cluster in clusters:
-        cluster.shutdown()
-
-
 def test_grpo_with_the_actor_on_one_node_and_the_engine_on_the_other(ray_nodes, tmp_path):
     out = tmp_path / "run"
     keys = [f"trainer.output_dir={out}", f"cluster.ray_address={ray_nodes(NODES)}", "cluster.nodes=2"]

@@ -64,6 +64,7 @@ CONFIGS = {
     ),
     # two pools, each with its own GPUs' memory (cluster.pools), which rlsys plan checks itself
     "qwen2.5-7b-pools-grpo.yaml": Expected(None, 5, "TP4 x PP1 x CP1 x EP1 x DP8", (28,), (4, 2), False),
+    "tiny-cpu-pools-grpo.yaml": Expected(None, 2, "TP2 x PP1 x CP1 x EP1 x DP1", (2,), (1, 1), False),
 }
 
 # Layouts for H100 80GB that the headers of the H200 configs document, as overrides.
