@@ -34,7 +34,7 @@ from rlsys.controller.replay import Replay, rollout_dir
 from rlsys.controller.seams import BatchSource, CheckpointStore, EngineUpdates, KLController
 from rlsys.controller.setup import check_machine, prepare_model_dir, role_spec, start_ray
 from rlsys.controller.stream import StreamRollout
-from rlsys.controller.weights import EngineSync, NoSync
+from rlsys.controller.weights import EngineSync, NoSync, shared_fate
 from rlsys.data.prompts import PromptSource
 from rlsys.envs.registry import env_tools
 from rlsys.plan import build_plan, enabled_roles, model_arch, sync_transports
@@ -159,7 +159,8 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
     start = _take_up(state, prompts, kl, source)
     t = cfg.trainer
     every = t.fully_async.sync_every if t.async_mode == "fully_async" else 1
-    weights = EngineSync(actor, engines, turns, start + 1, every, t.steps, t.eval_every) if syncing else NoSync()
+    fate = shared_fate(sync_transports(cfg), cfg.rollout.sync.backend) if syncing else []
+    weights = EngineSync(actor, engines, turns, start + 1, every, t.steps, t.eval_every, fate) if syncing else NoSync()
     if syncing:
         actor.setup_sync(
             engines.urls,

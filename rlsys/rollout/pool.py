@@ -240,10 +240,11 @@ class EnginePool:
 
     # ------------------------------------------------------------ health
 
-    def check_and_restart(self) -> list[int]:
+    def check_and_restart(self, shared_fate: Sequence[int] = ()) -> list[int]:
         """Probe every engine, restart the dead or stuck ones the pool owns (in parallel), then run
         ``on_restart(i)`` for each engine back from a restart. Returns those indices. Raises ``ServerError``
-        when a restart failed (after the callbacks of the others), ``EngineError`` when no engine is usable."""
+        when a restart failed (after the callbacks of the others), ``EngineError`` when no engine is usable.
+        ``shared_fate``: engines lost together (``lost_together``): one of them restarted restarts them all."""
         self._suspect = False
         probes = _all(self._executor, [lambda c=c: c.health() for c in self.clients])
         restart = []
@@ -259,6 +260,7 @@ class EnginePool:
             else:
                 self.down.pop(i, None)  # a passing failure of a process that never went away
         errors = []
+        restart = lost_together(restart, shared_fate if self.servers is not None else ())
         if restart:
             logger.warning("restarting engines %s", restart)
             outcomes = _all(self._executor, [lambda i=i: self._restart_engine(i) for i in restart], catch=True)
@@ -332,6 +334,16 @@ class EnginePool:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def lost_together(dead: Sequence[int], shared_fate: Sequence[int]) -> list[int]:
+    """The engines to restart: the ``dead`` ones, and every engine of ``shared_fate`` when one of them is dead.
+    Engines on one NCCL weight-update group share its fate: a member that dies mid-broadcast leaves the others
+    blocked in the collective until their group times out or NCCL's watchdog ends them, so the live ones cannot
+    rejoin a new group; on gloo they fail fast and stay usable (``shared_fate`` empty)."""
+    if set(dead) & set(shared_fate):
+        return sorted(set(dead) | set(shared_fate))
+    return sorted(dead)
 
 
 def _all(executor: ThreadPoolExecutor, calls: Sequence[Callable], catch: bool = False) -> list:

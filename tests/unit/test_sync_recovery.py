@@ -2,7 +2,8 @@
 
 import pytest
 
-from rlsys.controller.weights import sync_or_recover
+from rlsys.controller.weights import shared_fate, sync_or_recover
+from rlsys.rollout.pool import lost_together
 
 
 class Actor:
@@ -21,10 +22,11 @@ class Pool:
     """Restarts engine 0 if it is dead and re-syncs through on_restart, as EnginePool does."""
 
     def __init__(self, actor, dead: bool):
-        self.actor, self.dead, self.checks = actor, dead, 0
+        self.actor, self.dead, self.checks, self.fates = actor, dead, 0, []
 
-    def check_and_restart(self):
+    def check_and_restart(self, shared_fate=()):
         self.checks += 1
+        self.fates.append(list(shared_fate))
         if not self.dead:
             return []
         self.dead = False
@@ -58,3 +60,17 @@ def test_every_sync_setting_reaches_the_weight_sync():
     taken = set(inspect.signature(DistributedWeightSync.__init__).parameters)
     resolved_per_run = {"transport"}  # resolve.sync_transports picks each engine's: the transports argument
     assert {f.name for f in dataclasses.fields(SyncConfig)} - resolved_per_run <= taken
+
+
+def test_engines_on_one_nccl_group_are_lost_together():
+    """On NCCL a member that dies mid-broadcast leaves the others blocked in the collective: every engine of the
+    group is restarted and re-synced, not only the dead one. On gloo the others fail fast and stay usable."""
+    assert shared_fate(["broadcast", "tensor", "broadcast"], "nccl") == [0, 2]  # colocated IPC engines are apart
+    assert shared_fate(["broadcast", "broadcast"], "gloo") == []
+    assert lost_together([2], [0, 2, 3]) == [0, 2, 3]
+    assert lost_together([1], [0, 2, 3]) == [1]  # not on the group: alone
+    assert lost_together([], [0, 2, 3]) == []  # nothing died: nothing restarted
+    actor = Actor(fail=True)
+    pool = Pool(actor, dead=True)
+    sync_or_recover(actor, pool, 3, [0, 1])
+    assert pool.fates == [[0, 1]]  # the pool is told which engines share the dead one's fate
