@@ -8,6 +8,8 @@ import shutil
 
 from rlsys.config import ClusterConfig, ModelConfig, PolicyObjective, RunConfig, ValueObjective
 from rlsys.config.engines import engine
+from rlsys.config.pools import pools
+from rlsys.controller.nccl_match import check_nccl_match
 from rlsys.errors import ConfigError
 from rlsys.plan import role_world_sizes
 from rlsys.rollout.cpu_launch import engine_threads
@@ -18,7 +20,8 @@ from rlsys.worker.spec import RoleSpec
 def check_machine(cfg, use_ray: bool, mode: str = "full") -> None:
     """What this machine must offer before anything starts, for ``mode`` (``rlsys.controller.run.MODES``): an
     output directory that can be written, SGLang's interpreter where engines start here, and CUDA devices for a
-    CUDA run that does not go to a Ray cluster (``cluster.ray_address``). ``ConfigError`` naming the key and the
+    CUDA run that does not go to a Ray cluster (``cluster.ray_address``), whose NCCL release SGLang's matches
+    (``rlsys.controller.nccl_match``). ``ConfigError`` naming the key and the
     fix otherwise; nothing is written here."""
     out = os.path.abspath(cfg.trainer.output_dir)
     if os.path.exists(out) and not os.path.isdir(out):
@@ -46,7 +49,7 @@ def check_machine(cfg, use_ray: bool, mode: str = "full") -> None:
     import torch
 
     have = torch.cuda.device_count()
-    need = cfg.cluster.devices_per_node if use_ray else 1
+    need = sum(p.devices_per_node for p in pools(cfg)) if use_ray else 1  # every pool on this machine
     if have < need:
         raise ConfigError(
             "cluster.device",
@@ -54,6 +57,8 @@ def check_machine(cfg, use_ray: bool, mode: str = "full") -> None:
             "cluster.ray_address to run on: use a CPU config (configs/tiny-cpu-grpo.yaml, or cluster.device=cpu) "
             "or set cluster.ray_address to a Ray cluster with GPUs",
         )
+    if launches:
+        check_nccl_match(cfg)  # SGLang's environment and the trainer's join one NCCL group
 
 
 def start_ray(cluster: ClusterConfig) -> None:
