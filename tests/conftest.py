@@ -18,6 +18,14 @@ def pytest_collection_finish(session):
         fork_server.start()
 
 
+@pytest.fixture(autouse=True)
+def transformer_engine_on_gpu_images(monkeypatch):
+    """``rlsys plan`` refuses CUDA layouts that need transformer-engine where it does not import
+    (``rlsys.plan.kernels``); the tests plan the GPU configs as on the GPU images they target, which have it.
+    The tests of that refusal set it back."""
+    monkeypatch.setattr("rlsys.plan.kernels.have_transformer_engine", lambda: True)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
     """``{model_type: checkpoint_dir}`` built once per test session (no downloads)."""

@@ -155,11 +155,10 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
                 state = checkpoints.resume(ckpt)
     write_placement(out_dir, cfg, roles, engines)
     syncing = actor is not None and engines is not None
-    kl = _kl_controller(cfg)
-    start = _take_up(state, prompts, kl, source)
+    start = _take_up(state, prompts, kl := _kl_controller(cfg), source)
     t = cfg.trainer
     every = t.fully_async.sync_every if t.async_mode == "fully_async" else 1
-    fate = shared_fate(sync_transports(cfg), cfg.rollout.sync.backend) if syncing else []
+    fate = shared_fate(sync_transports(cfg), cfg.rollout.sync.backend)  # engines restarted together (NCCL)
     weights = EngineSync(actor, engines, turns, start + 1, every, t.steps, t.eval_every, fate) if syncing else NoSync()
     if syncing:
         actor.setup_sync(

@@ -23,6 +23,7 @@ from rlsys.plan.devices import (
     sync_transports,
 )
 from rlsys.plan.grid import dp_size, expert_tp
+from rlsys.plan.kernels import check_kernels
 
 
 def validate_layout(cfg: RunConfig, arch: ModelArch) -> None:
@@ -34,6 +35,7 @@ def validate_layout(cfg: RunConfig, arch: ModelArch) -> None:
     _check_rollout(cfg, arch)
     check_engines_fit(cfg)
     sync_transports(cfg)
+    check_kernels(cfg)  # SP, CP on CUDA: transformer-engine (rlsys.plan.kernels)
 
 
 def _check_devices(cfg: RunConfig, sizes: dict[str, int]) -> None:

@@ -192,6 +192,7 @@ class FakePool:
 def fake_role_group(log: Log):
     class FakeGroup:
         dp = 1
+        infos = [{"node": "127.0.0.1"}]  # where its one rank runs (output_dir/placement.json)
 
         def __init__(self, spec, use_ray=True, placement=None):
             self.role = spec.role

@@ -96,6 +96,12 @@ REQUIRED = {
 }
 
 
+def _needs_te(cfg: RunConfig) -> bool:
+    roles = [getattr(cfg, r) for r in ("actor", "critic", "ref") if getattr(cfg, r).enabled]
+    parallel = any(r.parallel.sequence_parallel or r.parallel.cp > 1 for r in roles)
+    return cfg.cluster.device == "cuda" and parallel
+
+
 def _path(name: str) -> str:
     return os.path.join(CONFIG_DIR, name)
 
@@ -307,3 +313,14 @@ def test_colocated_cuda_ipc_is_refused_under_expandable_segments(monkeypatch, ca
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")  # torch 2.9+'s name
     assert main(["plan", "-q", config]) == 2
     assert main(["plan", "-q", _path("llama3_8b_ppo.yaml")]) == 0  # disaggregated: a broadcast group, no IPC
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_config_that_needs_transformer_engine_says_so(name, monkeypatch):
+    cfg = load_config(_path(name))
+    if not _needs_te(cfg):
+        return
+    assert "Needs transformer-engine" in _header(name), f"the header of {name} should say it needs transformer-engine"
+    monkeypatch.setattr("rlsys.plan.kernels.have_transformer_engine", lambda: False)
+    with pytest.raises(ConfigError, match="needs transformer-engine"):  # where TE does not import: before any start
+        build_plan(cfg, model_arch(cfg.model))
