@@ -25,7 +25,6 @@ import os
 import shutil
 import time
 
-import torch
 import torch.distributed as dist
 
 import rlsys
@@ -84,12 +83,11 @@ def _progress(enabled: bool, desc: str):
 
 def _unit_steps(chunk) -> list:
     """This rank's units, padded with ``None`` to the most any rank has: saves and loads are collective."""
+    from rlsys.megatron.topology import max_over_ranks
     from rlsys.megatron.units import units
 
     mine = list(units(chunk))
-    most = torch.tensor([len(mine)])
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)
-    return mine + [None] * (int(most) - len(mine))
+    return mine + [None] * (max_over_ranks(len(mine)) - len(mine))  # on NCCL (convert --device cuda): a CUDA tensor
 
 
 def _unit_state(chunk, unit) -> dict:

@@ -135,6 +135,21 @@ def build_topology(parallel: ParallelConfig, device: str = "cpu", seed: int = 12
     )
 
 
+def collective_device(group=None) -> torch.device:
+    """Where the tensors of a collective on ``group`` (the default group: None) must be: NCCL takes only CUDA
+    tensors (a CPU one fails with "No backend type associated with device type cpu"), gloo host ones."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def max_over_ranks(n: int, group=None) -> int:
+    """The largest ``n`` any rank of ``group`` has (a collective)."""
+    most = torch.tensor([n], device=collective_device(group))
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+    return int(most.item())
+
+
 def seed_model_parallel_rng(seed: int) -> None:
     """Reseed megatron's per-TP-rank RNG streams (dropout, init) for a new run."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
