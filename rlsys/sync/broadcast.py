@@ -9,11 +9,25 @@ writer broadcasts it. Unlike the other transports this one exists on every write
 collective over them, and each writer sends its own bytes (``cast``). Rank 0 alone holds the engine clients.
 
 A group's sending rank is rank 0, engine ``i``'s TP rank ``t`` is ``1 + sum(tp of broadcast engines before i) + t``.
+
+On NCCL, what gloo gave for free is made explicit (none of it can run on CPU; ``docs/concepts/weight-sync.md``):
+
+* a group's communicator is built lazily inside its first broadcast, which then blocks until every engine joins
+  it; an engine that answers an error before it enters its receive (an unknown group, a bad dtype) would leave the
+  sender stuck there. So the first bucket of every new group is announced, the engines' early errors are awaited
+  for ``EARLY_ERRORS_S``, and only then is it broadcast;
+* a wait that outlives ``timeout_s`` must raise, not let NCCL's watchdog end the process: the groups are built
+  with a deadline past every wait's and with the watchdog told to abort the communicator only
+  (``rlsys.sync.process_group.NCCL_ERRORS_RAISE``);
+* an engine that dies mid-broadcast leaves the others blocked in the collective: every engine of the groups is
+  restarted together (``rlsys.rollout.pool.lost_together``).
 """
 
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import FIRST_EXCEPTION
+from concurrent.futures import wait as wait_futures
 
 import torch.distributed as dist
 
@@ -26,6 +40,17 @@ from rlsys.sync.process_group import (
     destroy_custom_process_group,
     init_custom_process_group,
 )
+
+EARLY_ERRORS_S = 2.0  # how long the first bucket of a new NCCL group waits for an engine's error answer
+
+
+def raise_early_errors(replies: list, grace_s: float) -> None:
+    """Raise the first error among ``replies`` that comes within ``grace_s`` (an engine refusing the bucket before
+    it enters its receive); replies still pending are engines waiting for the broadcast, as they should."""
+    done, _ = wait_futures(replies, timeout=grace_s, return_when=FIRST_EXCEPTION)
+    for f in done:
+        if f.exception() is not None:
+            raise f.exception()
 
 
 class BroadcastTransport:
@@ -49,6 +74,10 @@ class BroadcastTransport:
         self.group_names: list[str] = []  # rank 0: the groups the engines hold, one per sending writer
         self.active_group_name = cfg["group_name"]
         self._groups_made = 0  # a rebuilt group gets a fresh name (the old one may hold a stale send)
+        self._unused: set[str] = set()  # rank 0: groups no bucket went through yet (NCCL builds them then)
+        nccl = self.backend == "nccl"
+        # the groups' own deadline: on NCCL past every wait's, so that the wait raises first (see the docstring)
+        self.group_timeout_s = 2 * self.timeout_s + 60 if nccl else self.timeout_s
 
     # -- the transport interface (rlsys.config.transports.BucketTransport) ----------------------------------
 
@@ -65,6 +94,7 @@ class BroadcastTransport:
         self.group_names = [name]
         self.group = self._open_group(name, self.master_address, store.port, store)
         self.active_group_name = name
+        self._unused = {name} if self.backend == "nccl" else set()
 
     def prepare(self, version: int) -> None:
         pass  # the groups are built on connect
@@ -80,6 +110,9 @@ class BroadcastTransport:
         fmt = "flattened_bucket" if sends_flat(self.load_format, bucket) else None
         name = self.group_names[self.writers.index(bucket.sender)] if bucket.sender else self.active_group_name
         replies = announce_bucket(self.calls, self.engines, bucket, name, version, fmt, self.timeout_s)
+        if name in self._unused:  # NCCL: its communicator is built by this broadcast, which an error would strand
+            self._unused.discard(name)
+            raise_early_errors(replies, EARLY_ERRORS_S)
         sends = [] if bucket.sender else self.cast(bucket)
         yield replies
         wait_sends(sends, self.timeout_s)  # not after an error: the group is then abandoned with its send
@@ -134,8 +167,8 @@ class BroadcastTransport:
         world, _ = group_world(self.engine_tp)
         joined = None
         if store is not None:
-            args = (self.backend, f"tcp://{address}:{port}", world, 0, name, self.timeout_s)
-            joined = self.calls.submit(init_custom_process_group, *args, store=store)
+            args = (self.backend, f"tcp://{address}:{port}", world, 0, name, self.group_timeout_s)
+            joined = self.calls.submit(init_custom_process_group, *args, store=store, errors_raise=True)
         first_error([*futures, *([joined] if joined else [])], self.timeout_s)
         return None if joined is None else joined.result()
 
@@ -161,9 +194,8 @@ class BroadcastTransport:
         if rank in self.writers and not self.is_sender:
             init = f"tcp://{mine[0]}:{mine[1]}"
             name = names[self.writers.index(rank)]
-            joined = self.calls.submit(
-                init_custom_process_group, self.backend, init, world, 0, name, self.timeout_s, store=store
-            )
+            args = (self.backend, init, world, 0, name, self.group_timeout_s)
+            joined = self.calls.submit(init_custom_process_group, *args, store=store, errors_raise=True)
         error = None
         if self.is_sender:
             self.group_names = names  # whatever joins, a later disconnect leaves
@@ -172,6 +204,7 @@ class BroadcastTransport:
                     group = self._open_group(name, *where[w][:2], store if w == 0 else None)
                     self.group = group if w == 0 else self.group
                 self.active_group_name = names[0]
+                self._unused = set(names) if self.backend == "nccl" else set()
             except Exception as e:
                 error = e
                 self.disconnect(broken=True)  # the engines leave the groups they did join

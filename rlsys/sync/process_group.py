@@ -13,10 +13,16 @@ group rank 0: SGLang hard-codes ``src=0`` for the sender.
 from __future__ import annotations
 
 import contextlib
+import os
 from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+# NCCL's watchdog tears the whole process down when a collective outlives its group's timeout (the default,
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=1 or 3); 2 only aborts the group's communicator, so the trainer's wait raises
+# and the sync fails as a WeightSyncError. Read by each NCCL group when it is built: set for this group alone.
+NCCL_ERRORS_RAISE = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
 def init_custom_process_group(
@@ -27,9 +33,11 @@ def init_custom_process_group(
     group_name: str,
     timeout_s: float = 300.0,
     store: dist.Store | None = None,
+    errors_raise: bool = False,
 ) -> dist.ProcessGroup:
     """Join group ``group_name`` of ``world_size`` members at ``init_method`` (``tcp://host:port``) as ``rank``;
-    ``store``: the listening store rank 0 already holds at that address (``local_ranks.listening_store``)."""
+    ``store``: the listening store rank 0 already holds at that address (``local_ranks.listening_store``);
+    ``errors_raise``: on NCCL, a timeout or error of this group aborts its communicator, not the process."""
     if not group_name:
         raise ValueError("group_name must be non-empty: it namespaces the rendezvous store")
     timeout = timedelta(seconds=timeout_s)
@@ -37,11 +45,26 @@ def init_custom_process_group(
         store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = dist.PrefixStore(group_name, store)
-    pg, _ = c10d._new_process_group_helper(
-        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout
-    )
+    with _environment(NCCL_ERRORS_RAISE if errors_raise and backend == "nccl" else {}):
+        pg, _ = c10d._new_process_group_helper(
+            world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout
+        )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def destroy_custom_process_group(pg: dist.ProcessGroup) -> None:
