@@ -14,6 +14,7 @@ from rlsys.config import ModelConfig, ParallelConfig, RoleConfig, RunConfig
 from rlsys.config.pools import locate, pool_of, pools
 from rlsys.errors import ConfigError
 from rlsys.plan.checks import validate_layout
+from rlsys.plan.communicators import groups_per_engine_gpu
 from rlsys.plan.devices import device_offsets, role_world_sizes, sequence_length, sync_transports
 from rlsys.plan.grid import dp_size, expert_dp_size, expert_tp, grid_label, rank_coords
 from rlsys.plan.memory import check_fit, engine_weight_bytes
@@ -101,6 +102,7 @@ class Plan:
     pools: tuple = ()  # rlsys.config.pools.Pool, in the global device numbering's order
     placed: tuple = ()  # (role or "rollout", its pool's name)
     bytes_across_pools: float = 0.0  # per sync: the weights that reach engines on another pool than the actor's
+    weight_groups: int = 0  # weight-update groups every engine GPU joins (rlsys.plan.communicators)
     sync_transports: tuple[str, ...] = ()  # per engine: "tensor" (colocated) or "broadcast"
 
     def role(self, name: str) -> RolePlan:
@@ -185,12 +187,15 @@ def build_plan(cfg: RunConfig, arch: ModelArch) -> Plan:
         pools=tuple(pools(cfg)),
         placed=tuple((n, pool_of(cfg, n).name) for n in [*sizes, "rollout"]),
     )
+    transports = sync_transports(cfg)
+    if engines and "actor" in sizes:
+        plan = dataclasses.replace(plan, weight_groups=groups_per_engine_gpu(cfg, transports, sizes["actor"]))
     across = 0.0
     if engines and pool_of(cfg, "rollout") != pool_of(cfg, "actor"):  # each engine receives the whole model
         across = engine_weight_bytes(cfg, arch) * r.tp * r.num_engines
     return dataclasses.replace(
         plan,
         phases=tuple(check_fit(cfg, plan, arch)),
-        sync_transports=tuple(sync_transports(cfg)),
+        sync_transports=tuple(transports),
         bytes_across_pools=across,
     )

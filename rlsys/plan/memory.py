@@ -36,6 +36,7 @@ from rlsys.config.engines import engine
 from rlsys.config.pools import Pool, pool_of, pools
 from rlsys.config.resolve import engine_dtype
 from rlsys.errors import ConfigError
+from rlsys.plan.communicators import communicator_bytes
 from rlsys.plan.devices import sync_transports
 from rlsys.plan.phases import ORDER, Move, PhaseOrder
 from rlsys.sizing import count_params, padded_vocab
@@ -46,6 +47,10 @@ ENGINE_RESIDUE_GIB = 2.0  # an engine's memory outside mem_fraction (context, al
 HEADROOM = 0.9  # fragmentation and temporary buffers: plan for 90% of the device
 LOGIT_BYTES = 10  # per [token, vocab / tp] entry: bf16 logits + fp32 scaled copy + fp32 exp
 ENGINE_WEIGHT_SHARE = 0.8  # engine weights may take at most this share of mem_fraction; the rest is KV cache
+FEWER_GROUPS = (
+    "; or join the engines to fewer weight-update groups (rollout.sync.senders: rank0 is one; each writer's own is "
+    "one per writer, rlsys.plan.communicators)"
+)
 _SERVED_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 _PART_FIELDS = {"params": "weights", "grads": "grads", "optimizer": "optimizer"}
 
@@ -122,6 +127,8 @@ class _Walk:
         gpu = cfg.cluster.device == "cuda"  # CUDA contexts and NCCL buffers; a CPU process has neither
         self.overhead, self.residue = (OVERHEAD_GIB * GIB, ENGINE_RESIDUE_GIB * GIB) if gpu else (0.0, 0.0)
         self.consumers = sum(cfg.rollout.tp for t in sync_transports(cfg) if t == "tensor") if self.has_engines else 0
+        groups = plan.weight_groups if self.has_engines else 0
+        self.communicators = communicator_bytes(cfg, groups)  # the weight-update groups' (rlsys.plan.communicators)
         self.devices = _device_kinds(cfg, list(self.roles), self.has_engines)
 
     # -- what a device holds ---------------------------------------------------------------------
@@ -218,7 +225,8 @@ class _Walk:
             # a broadcast lands in a bucket the engine allocates; update_weights_from_tensor reads the sender's;
             # attached engines (rollout.urls) receive on devices this plan does not know
             received = self.bucket + self._parts_bucket() if self.has_engines and not self.consumers else 0.0
-            self._note(phase, {"actor": sender, "engine": {"receive bucket": received}})
+            engine_side = {"receive bucket": received, "NCCL communicators": self.communicators}
+            self._note(phase, {"actor": sender, "engine": engine_side})
         else:  # generate: what the engines hold is all there is
             self._note(phase)
 
@@ -291,6 +299,7 @@ def check_fit(cfg: RunConfig, plan, arch, order: tuple[PhaseOrder, ...] = ORDER)
                 key,
                 f"the {phase.name} phase needs {phase.amount()}, more than {HEADROOM:.0%} of {device:g} GiB: "
                 f"offload roles ({'/'.join(r.name for r in plan.roles)}.offload), release engine memory "
-                "(rollout.release_memory), lower rollout.mem_fraction or spread the model over more devices",
+                "(rollout.release_memory), lower rollout.mem_fraction or spread the model over more devices"
+                + (FEWER_GROUPS if phase.parts.get("NCCL communicators") else ""),
             )
     return found

@@ -49,6 +49,10 @@ def _rollout_lines(plan: Plan) -> list[str]:
         lines.append(f"  engine {engine.index}: node:device {devices}{via}")
     if len(plan.engines) > SHOWN_RANKS:
         lines.append(f"  ... and {len(plan.engines) - SHOWN_RANKS} more engines")
+    if plan.weight_groups:
+        comm = max((p.parts.get("NCCL communicators", 0.0) for p in plan.phases if p.name == "sync"), default=0.0)
+        held = f", their NCCL communicators ~{comm / GIB:.1f} GiB in the sync phase" if comm else ""
+        lines.append(f"  weight-update groups per engine GPU: {plan.weight_groups}{held} (rlsys.plan.communicators)")
     return [*lines, ""]
 
 
