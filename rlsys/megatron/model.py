@@ -57,11 +57,11 @@ def transformer_config(arch: ModelArch, topo: Topology, dtype: str = "fp32", **o
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
-        # Fused kernels need CUDA (and apex/TE); the unfused paths are exact.
+        # Fused kernels need CUDA (and apex/TE); the unfused paths are exact. TE's attention fuses its own softmax.
         bias_activation_fusion=not on_cpu,
         masked_softmax_fusion=False,
         bias_dropout_fusion=not on_cpu,
-        apply_rope_fusion=False,
+        apply_rope_fusion=fused_rope_available(arch, on_cpu),
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         use_cpu_initialization=on_cpu,
@@ -87,7 +87,7 @@ def transformer_config(arch: ModelArch, topo: Topology, dtype: str = "fp32", **o
         moe_token_dispatcher_type="allgather" if on_cpu and arch.num_experts else "alltoall",
         batch_p2p_comm=False,  # gloo has no batched isend/irecv
     )
-    kwargs.update(_moe_kwargs(arch))
+    kwargs.update(_moe_kwargs(arch, on_cpu))
     if arch.mla:
         kwargs.update(_mla_kwargs(arch))
         cls = MLATransformerConfig
@@ -97,7 +97,24 @@ def transformer_config(arch: ModelArch, topo: Topology, dtype: str = "fp32", **o
     return cls(**kwargs)
 
 
-def _moe_kwargs(arch: ModelArch) -> dict:
+def fused_rope_available(arch: ModelArch, on_cpu: bool) -> bool:
+    """RoPE fusion (TE's fused rotary kernel, which megatron binds where TE >= 1.4 imports) on CUDA; not for MLA,
+    where megatron's fused path is training-only and YaRN-only."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return not on_cpu and not arch.mla and rope_utils.fused_apply_rotary_pos_emb is not None
+
+
+def fused_permute_available(on_cpu: bool) -> bool:
+    """MoE token permutation fused (TE >= 2.1's kernels, which megatron binds where they import) on CUDA."""
+    from megatron.core.transformer.moe import moe_utils
+
+    kernels = ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_unpermute")
+    kernels += ("fused_sort_chunks_by_index_with_probs",)
+    return not on_cpu and all(getattr(moe_utils, k, None) is not None for k in kernels)
+
+
+def _moe_kwargs(arch: ModelArch, on_cpu: bool = True) -> dict:
     if not arch.num_experts:
         return {}
     kw = dict(
@@ -107,10 +124,12 @@ def _moe_kwargs(arch: ModelArch) -> dict:
         moe_layer_freq=[1 if arch.is_moe_layer(i) else 0 for i in range(arch.num_layers)],
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
+        # grouped GEMM keeps every local expert in one weight (TEGroupedMLP: linear_fc1.weight<i>), a layout the
+        # conversion tables (SequentialMLP's local_experts.<i>) do not map yet: off until a GPU run checks it
         moe_grouped_gemm=False,
         moe_router_dtype="fp32",
         moe_shared_expert_intermediate_size=arch.shared_expert_ffn_hidden_size or None,
-        moe_permute_fusion=False,
+        moe_permute_fusion=fused_permute_available(on_cpu),
     )
     if arch.moe_score_function == "softmax":
         # Megatron's default softmaxes the top-k logits, which equals HF's normalized top-k
