@@ -18,6 +18,10 @@ that doubles as a master copy.
 Gradients are dropped unless ``keep_grads``: offload happens between steps and the next step's
 ``zero_grad`` clears them anyway, so onload gives back zeroed buffers without a copy.
 
+On CUDA the pinned host buffers are kept after ``onload`` and reused by the next ``offload`` of the same storages
+(page-locking gigabytes of host memory takes seconds, and every step offloads again); on CPU each offload takes
+fresh host memory and gives it back at ``onload`` (keeping it would double the process's memory).
+
 Offload between steps only: nothing may touch the engine's tensors until ``onload``. Storages on
 another device (Adam's ``step`` counters are CPU tensors under CUDA training) and megatron's
 scalar bookkeeping (loss scale, found-inf flags) stay where they are.
@@ -102,10 +106,13 @@ def _check(what: Iterable[str]) -> list[str]:
 class StateOffloader:
     """Moves one engine's state off the device and back; both directions are idempotent."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, keep_host_buffers: bool | None = None):
+        """``keep_host_buffers``: reuse the host buffers across offloads (default: on CUDA, where they are pinned)."""
         self.engine = engine
         self._cuda = engine.topo.device.type == "cuda"
         self._moved: dict[str, list[_Moved]] = {c: [] for c in CATEGORIES}
+        self._keep = self._cuda if keep_host_buffers is None else keep_host_buffers
+        self._hosts: dict[str, list[torch.Tensor]] = {c: [] for c in CATEGORIES}  # kept buffers, in storage order
 
     @property
     def offloaded(self) -> set[str]:
@@ -118,10 +125,10 @@ class StateOffloader:
         moved = {}
         for category in _check(what):
             moved[category] = []
-            for s in storages[category]:
+            for i, s in enumerate(storages[category]):
                 backup = None
                 if category != "grads" or keep_grads:
-                    backup = torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=self._cuda)
+                    backup = self._host(category, i, s.nbytes())
                     backup.copy_(_flat(s), non_blocking=self._cuda)
                 moved[category].append(_Moved(s, s.nbytes(), backup))
         if self._cuda:
@@ -133,6 +140,17 @@ class StateOffloader:
         if self._cuda:
             torch.cuda.empty_cache()  # give the memory back to the driver, for rollout engines in other processes
         return {category: sum(m.nbytes for m in entries) for category, entries in moved.items()}
+
+    def _host(self, category: str, index: int, nbytes: int) -> torch.Tensor:
+        """The host buffer for the ``index``-th storage of ``category``: the one kept from the last offload where it
+        has the size, else a new one (pinned on CUDA)."""
+        kept = self._hosts[category]
+        if index < len(kept) and kept[index].numel() == nbytes:
+            return kept[index]
+        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._cuda)
+        if self._keep:
+            kept[index:] = [buffer]  # later storages of a changed list get buffers of their own again
+        return buffer
 
     def onload(self, what: Iterable[str] = CATEGORIES) -> dict[str, int]:
         """Reallocate and restore what ``offload`` moved; returns the device bytes restored per category."""

@@ -124,6 +124,21 @@ def _check_actor(hf: str, topo, dtype: str, distopt: bool) -> None:
     assert a.update(second) == b.update(second)
     _assert_same(_snapshot(a.engine), _snapshot(b.engine))
 
+    # host buffers kept across offloads (the CUDA default, where they are pinned): the next offload reuses them
+    kept = StateOffloader(a.engine, keep_host_buffers=True)
+    kept.offload(keep_grads=True)
+    kept.onload()
+    buffers = [t.data_ptr() for held in kept._hosts.values() for t in held]
+    third = _batch(a.vocab_size, 2)
+    third.set("old_logp", a.compute_logprobs(third)["logp"])
+    a.update(third)  # new weights and moments: a reused buffer must carry them, not the last offload's
+    after, after_grads = _snapshot(a.engine), _main_grads(a.engine)
+    kept.offload(keep_grads=True)
+    assert buffers and [t.data_ptr() for held in kept._hosts.values() for t in held] == buffers
+    kept.onload()
+    _assert_same(after, _snapshot(a.engine))
+    _assert_same(after_grads, _main_grads(a.engine))
+
 
 def _check_reference(hf: str, topo) -> None:
     from rlsys.worker.offload import StateOffloader
