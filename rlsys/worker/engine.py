@@ -35,6 +35,7 @@ from rlsys.config import RoleConfig
 from rlsys.megatron.model import TORCH_DTYPES, build_model, have_transformer_engine
 from rlsys.megatron.topology import Topology
 from rlsys.worker.batch import TrainBatch
+from rlsys.worker.context_parallel import pad_for_cp
 from rlsys.worker.metrics import reduce_metrics
 from rlsys.worker.microbatch import ModelInput, build_input
 from rlsys.worker.offload import StateOffloader
@@ -189,7 +190,8 @@ class MegatronEngine:
         if not self.config.variable_seq_lengths or self.topo.vpp:
             # One row shape on every rank: megatron's allgather MoE dispatcher (CPU) gathers
             # equal-sized tensors, and the interleaved schedule's p2p does not exchange shapes.
-            rows = [sum(lengths[i] for i in g) if b.use_packing else max(lengths[i] for i in g) for g in groups]
+            packed = pad_for_cp(lengths, self.topo.cp) if self.topo.cp > 1 else lengths  # CP pads every sample
+            rows = [sum(packed[i] for i in g) if b.use_packing else max(lengths[i] for i in g) for g in groups]
             width = torch.tensor([max(rows)], dtype=torch.long, device=self.topo.device)
             dist.all_reduce(width, op=dist.ReduceOp.MAX)
             fixed = -(-int(width.item()) // self._pad_multiple()) * self._pad_multiple()

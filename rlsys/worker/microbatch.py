@@ -83,7 +83,14 @@ def build_input(
     if cp is not None and cp[0] > 1:
         if with_routing:
             raise UserError("algorithm.router_replay does not support context parallelism yet: set cp=1")
-        return _context_parallel_input(seqs, prompts, list(indices), device, pad_to_multiple, packed, use_thd, cp)
+        multiple = pad_to_length or pad_to_multiple  # a fixed length (the interleaved schedule's one row shape)
+        inp = _context_parallel_input(seqs, prompts, list(indices), device, multiple, packed, use_thd, cp)
+        if pad_to_length is not None and inp.tokens.shape[1] * cp[0] != pad_to_length:
+            raise ValueError(
+                f"micro-batch of {inp.tokens.shape[1] * cp[0]} CP-padded tokens does not fit the fixed length "
+                f"{pad_to_length}"
+            )
+        return inp
     if packed:
         total = sum(int(s.shape[0]) for s in seqs)
         if pad_to_length is not None and pad_to_length < total:

@@ -127,3 +127,20 @@ def test_packed_seq_params_fields():
     assert psp.cu_seqlens_q.tolist() == psp.cu_seqlens_kv.tolist() == [0, 5, 8]
     assert psp.cu_seqlens_q_padded.tolist() == psp.cu_seqlens_kv_padded.tolist() == [0, 8, 12]
     assert psp.max_seqlen_q == psp.max_seqlen_kv == 8
+
+
+def test_a_fixed_row_length_holds_under_context_parallelism():
+    """The interleaved schedule (VPP) sends one row shape through its p2p: with CP each rank's row is the fixed
+    length over cp, whatever the micro-batch's own length (``microbatch.build_input``'s ``pad_to_length``)."""
+    from rlsys.worker.batch import TrainBatch
+    from rlsys.worker.microbatch import build_input
+
+    seqs = [torch.arange(1, 8), torch.arange(1, 6), torch.arange(1, 12)]
+    batch = TrainBatch(seqs, [2, 2, 3])
+    for rank in (0, 1):
+        inp = build_input(batch, [0, 1], True, torch.device("cpu"), 4, 32, use_thd=True, cp=(2, rank, None))
+        assert inp.tokens.shape == (1, 16)  # 32 / cp, though samples 0 and 1 pad to 8 + 8
+    wide = build_input(batch, [0, 1, 2], True, torch.device("cpu"), 4, 32, use_thd=True, cp=(2, 0, None))
+    assert wide.tokens.shape == (1, 16)
+    with pytest.raises(ValueError, match="does not fit the fixed length 8"):
+        build_input(batch, [0, 1, 2], True, torch.device("cpu"), 4, 8, use_thd=True, cp=(2, 0, None))
