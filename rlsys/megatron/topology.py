@@ -74,6 +74,9 @@ def init_distributed(device: str = "cpu", timeout_minutes: int = 10, store=None)
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = timedelta(minutes=timeout_minutes)
+    # No device_id: a default group bound to a device makes torch split every later group from it
+    # (_new_process_group_helper's split_from), the weight-update group too, whose other members (the engines)
+    # are not in this world: NCCL would try ncclCommSplit over the trainer's ranks (gpu_review.md, 13).
     if store is None:
         dist.init_process_group(backend=backend, timeout=timeout)
         return

@@ -31,3 +31,17 @@ def test_the_converters_unit_count_is_agreed_on_the_groups_device(monkeypatch):
     monkeypatch.setattr("rlsys.megatron.units.units", lambda chunk: ["a", "b"])
     assert mcore_checkpoint._unit_steps(object()) == ["a", "b", None, None, None]
     assert seen == [torch.device("cpu")]
+
+
+def test_the_default_group_is_never_bound_to_a_device(monkeypatch):
+    """A default group with a bound device makes torch build every later group by splitting it, the weight-update
+    group too, whose engine members are outside the trainer's world: ``init_distributed`` passes no device_id."""
+    calls = []
+    monkeypatch.setattr(topology.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(topology.dist, "init_process_group", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(topology.platform, "prepare", lambda device: None)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    topology.init_distributed("cpu")
+    topology.init_distributed("cpu", store=object())
+    assert len(calls) == 2 and all("device_id" not in kw for kw in calls)
