@@ -81,19 +81,11 @@ def start(engines: bool = True) -> None:
 def quiet_server():
     """The environment the server starts with, where this block starts it: library noise filtered before its
     imports (``rlsys.telemetry.noise``; the forks it makes get their caller's environment instead)."""
+    from rlsys.process_env import overridden
     from rlsys.telemetry.noise import worker_env
 
-    noise = worker_env()
-    saved = {key: os.environ.get(key) for key in noise}
-    os.environ.update(noise)
-    try:
+    with overridden(worker_env()):
         yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def in_use() -> bool:

@@ -13,11 +13,12 @@ group rank 0: SGLang hard-codes ``src=0`` for the sender.
 from __future__ import annotations
 
 import contextlib
-import os
 from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+from rlsys.process_env import overridden
 
 # NCCL's watchdog tears the whole process down when a collective outlives its group's timeout (the default,
 # TORCH_NCCL_ASYNC_ERROR_HANDLING=1 or 3); 2 only aborts the group's communicator, so the trainer's wait raises
@@ -45,26 +46,12 @@ def init_custom_process_group(
         store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = dist.PrefixStore(group_name, store)
-    with _environment(NCCL_ERRORS_RAISE if errors_raise and backend == "nccl" else {}):
+    with overridden(NCCL_ERRORS_RAISE if errors_raise and backend == "nccl" else {}):
         pg, _ = c10d._new_process_group_helper(
             world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout
         )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]):
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def destroy_custom_process_group(pg: dist.ProcessGroup) -> None:

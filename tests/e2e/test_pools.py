@@ -9,6 +9,7 @@ import json
 import os
 
 import pytest
+from short_runs import SHORT_VERIFIED, check_synced_steps
 
 from rlsys.config import load_config
 from rlsys.controller.loop import train
@@ -28,13 +29,7 @@ def test_grpo_with_the_actor_on_the_training_pool_and_the_engine_on_the_rollout_
     }
     out = tmp_path / "run"
     keys = [f"trainer.output_dir={out}", f"cluster.ray_address={address}", f"cluster.pools={json.dumps(pools)}"]
-    keys += ["trainer.steps=3", "trainer.eval_every=0", "trainer.export_hf=false", "logging.tensorboard=false"]
-    keys += ["rollout.sync.verify=true", "logging.progress=off"]
-    history = train(load_config(CONFIG, keys))
-    assert [m["step"] for m in history] == [1, 2, 3]
-    for m in history:
-        assert m["rollout/weight_version"] == m["step"]  # each step sampled from the weights synced for it
-        assert m["sync/verified_tensors"] > 0 and m["rollout/logprob_diff_max"] < 1e-4
+    check_synced_steps(train(load_config(CONFIG, [*keys, *SHORT_VERIFIED])), 3)
     with open(out / "placement.json") as f:
         where = json.load(f)
     assert where == {

@@ -7,6 +7,7 @@ fail here), and the engine accepts weight connections only from the trainer's no
 import os
 
 import pytest
+from short_runs import SHORT_VERIFIED, check_synced_steps
 
 from rlsys.config import load_config
 from rlsys.controller.loop import train
@@ -22,13 +23,7 @@ def test_grpo_with_the_actor_on_one_node_and_the_engine_on_the_other(ray_nodes, 
     out = tmp_path / "run"
     keys = [f"trainer.output_dir={out}", f"cluster.ray_address={ray_nodes(NODES)}", "cluster.nodes=2"]
     keys += ["cluster.devices_per_node=2", "cluster.colocate=false", "actor.world_size=2", "rollout.num_engines=1"]
-    keys += ["trainer.steps=3", "trainer.eval_every=0", "trainer.export_hf=false", "logging.tensorboard=false"]
-    keys += ["rollout.sync.verify=true", "logging.progress=off"]
-    history = train(load_config(CONFIG, keys))
-    assert [m["step"] for m in history] == [1, 2, 3]
-    for m in history:
-        assert m["rollout/weight_version"] == m["step"]  # each step sampled from the weights synced for it
-        assert m["sync/verified_tensors"] > 0 and m["rollout/logprob_diff_max"] < 1e-4
+    check_synced_steps(train(load_config(CONFIG, [*keys, *SHORT_VERIFIED])), 3)
     with open(out / "logs" / "cpu_engine_0.log") as f:
         log = f.read()
     command = log.split("\n=== rlsys start #1: ", 1)[1].split("\n", 1)[0].split()
