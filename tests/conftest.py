@@ -21,9 +21,9 @@ def pytest_collection_finish(session):
 @pytest.fixture(autouse=True)
 def transformer_engine_on_gpu_images(monkeypatch):
     """``rlsys plan`` refuses CUDA layouts that need transformer-engine where it does not import
-    (``rlsys.plan.kernels``); the tests plan the GPU configs as on the GPU images they target, which have it.
-    The tests of that refusal set it back."""
-    monkeypatch.setattr("rlsys.plan.kernels.have_transformer_engine", lambda: True)
+    (``rlsys.plan.kernels``); the tests plan the GPU configs as on the GPU images they target, which have it (the
+    variable reaches the processes a test starts too). The tests of that refusal set it back."""
+    monkeypatch.setenv("RLSYS_TRANSFORMER_ENGINE", "1")
 
 
 @pytest.fixture(scope="session")

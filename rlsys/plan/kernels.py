@@ -12,21 +12,31 @@ Megatron builds every layer from transformer-engine's spec when TE imports, else
 * with **apex but no TE**, megatron's ``LNImpl`` is apex's ``FusedLayerNorm`` for the final norm, which asserts
   ``normalization == "LayerNorm"``: every RMSNorm model (all of rlsys's architectures) fails at build.
 
-So a CUDA config that needs TE is refused here, naming the key and the fix, where TE does not import.
+So a CUDA config that needs TE is refused here, naming the key and the fix, where TE does not import. Planning on
+another machine than the training image (a laptop, a login node): ``RLSYS_TRANSFORMER_ENGINE=1`` says the ranks'
+image has it (``0``: that it has not), instead of probing this Python.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 from rlsys.config import RunConfig
 from rlsys.config.stages import enabled_roles
 from rlsys.errors import ConfigError
 
-INSTALL_TE = "pip install --no-build-isolation transformer-engine[pytorch] (on the CUDA image the ranks run)"
+ASSUME = "RLSYS_TRANSFORMER_ENGINE"
+INSTALL_TE = (
+    "pip install --no-build-isolation transformer-engine[pytorch] on the CUDA image the ranks run (planning "
+    f"elsewhere: {ASSUME}=1 says that image has it)"
+)
 
 
 def have_transformer_engine() -> bool:
+    """Whether the ranks' Python has transformer-engine: ``RLSYS_TRANSFORMER_ENGINE`` where set, else this one's."""
+    if os.environ.get(ASSUME) in ("0", "1"):
+        return os.environ[ASSUME] == "1"
     try:
         return importlib.util.find_spec("transformer_engine") is not None
     except (ImportError, ValueError):

@@ -2,8 +2,9 @@
 token-permutation fusion wherever megatron binds TE's kernels on CUDA, never on CPU (unfused paths are exact), and
 not for MLA, whose fused RoPE megatron restricts to training with YaRN."""
 
+import types
+
 import pytest
-import torch
 
 from rlsys.architectures.hf_config import arch_from_dict
 from rlsys.megatron import model
@@ -17,9 +18,10 @@ QWEN3_MOE = dict(
 
 
 def _topo(device: str) -> Topology:
+    # a plain stand-in for the device: a process where cpu_compat ran maps every torch.device("cuda") to the CPU
     one = dict(tp=1, pp=1, cp=1, ep=1, etp=1, dp=1, tp_rank=0, pp_rank=0, cp_rank=0, ep_rank=0, etp_rank=0)
-    return Topology(0, 1, torch.device(device), "nccl", vpp=None, sequence_parallel=False, dp_rank=0, edp_rank=0,
-                    pg=None, **one)  # fmt: skip
+    return Topology(0, 1, types.SimpleNamespace(type=device), "nccl", vpp=None, sequence_parallel=False, dp_rank=0,
+                    edp_rank=0, pg=None, **one)  # fmt: skip
 
 
 @pytest.fixture

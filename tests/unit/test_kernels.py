@@ -43,3 +43,13 @@ def test_apex_without_transformer_engine_is_refused_for_rmsnorm_models(no_te, mo
 
 def test_cpu_runs_need_no_transformer_engine(no_te):
     _plan("configs/tiny-cpu-grpo.yaml")
+
+
+def test_planning_off_the_training_image_says_whether_that_image_has_it(monkeypatch):
+    """``RLSYS_TRANSFORMER_ENGINE`` stands for the ranks' image where rlsys plan runs elsewhere (a login node)."""
+    monkeypatch.setattr("rlsys.plan.kernels.have_apex", lambda: False)
+    monkeypatch.setenv("RLSYS_TRANSFORMER_ENGINE", "1")
+    _plan(PPO)
+    monkeypatch.setenv("RLSYS_TRANSFORMER_ENGINE", "0")
+    with pytest.raises(ConfigError, match="RLSYS_TRANSFORMER_ENGINE=1 says that image has it"):
+        _plan(PPO)
