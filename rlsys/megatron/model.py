@@ -12,6 +12,7 @@ score function, normalization and group-limited top-k.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 import torch.nn.functional as F
@@ -185,8 +186,12 @@ def _mla_kwargs(arch: ModelArch) -> dict:
     return kw
 
 
+def _uses_te(topo: Topology) -> bool:
+    return topo.device.type == "cuda" and have_transformer_engine()
+
+
 def _layer_specs(config: TransformerConfig, topo: Topology, vp_stage: int | None):
-    use_te = topo.device.type == "cuda" and have_transformer_engine()
+    use_te = _uses_te(topo)
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=topo.pp_rank
     )
@@ -277,7 +282,7 @@ def build_model(
 
 
 def _gpt_model(config, topo: Topology, arch: ModelArch, vocab: int, first: bool, last: bool, vp_stage):
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=_layer_specs(config, topo, vp_stage),
         vocab_size=vocab,
@@ -289,8 +294,51 @@ def _gpt_model(config, topo: Topology, arch: ModelArch, vocab: int, first: bool,
         vp_stage=vp_stage,
         **_rope_kwargs(arch),
     )
+    # what its checkpoint keys need (sharded_state_dict): megatron's local spec names some norms otherwise
+    model.rlsys_checkpoint_keys = (arch, _uses_te(topo))
+    return model
 
 
 def sharded_state_dict(chunk) -> dict:
-    """The chunk's ``dist_checkpointing`` state dict, with rlsys's key layout."""
-    return chunk.sharded_state_dict(metadata=dict(CHECKPOINT_METADATA))
+    """The chunk's ``dist_checkpointing`` state dict, with rlsys's key layout: per-layer keys, and
+    transformer-engine's names for the norms the two layer specs name differently (``te_checkpoint_key``), so that
+    a checkpoint written on a GPU with TE loads on CPU (the final HF export, the converter) and the other way."""
+    sd = chunk.sharded_state_dict(metadata=dict(CHECKPOINT_METADATA))
+    arch, te = getattr(chunk, "rlsys_checkpoint_keys", (None, True))
+    if not te:
+        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+
+        def rename(x):
+            if hasattr(x, "key") and isinstance(x.key, str):
+                x.key = te_checkpoint_key(x.key, arch)
+            return x
+
+        dict_list_map_inplace(rename, sd)
+    return sd
+
+
+# Local spec -> TE spec names of the norms the two specs store differently (megatron-core 0.16,
+# gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec / get_gpt_layer_local_spec): TE fuses MLA's q/kv norms
+# into linear_q_up_proj / linear_kv_up_proj and a dense layer's pre-MLP norm into mlp.linear_fc1, and keeps a norm of
+# its own before an MoE layer, which the local spec's keys map renames to mlp.linear_fc1.layer_norm_.
+_MLA_TO_TE = {
+    "self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+    "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
+}
+_LAYER_KEY = re.compile(r"^(.*decoder\.layers\.)(\d+)\.(.*)$")
+
+
+def te_checkpoint_key(key: str, arch: ModelArch) -> str:
+    """The checkpoint key a TE-spec model stores for the local-spec model's ``key`` (the same for most)."""
+    m = _LAYER_KEY.match(key)
+    if m is None:
+        return key
+    head, layer, rest = m.group(1), int(m.group(2)), m.group(3)
+    moe = bool(arch.num_experts) and arch.is_moe_layer(layer)
+    if arch.mla:
+        rest = _MLA_TO_TE.get(rest, rest)
+        if not moe and rest == "pre_mlp_layernorm.weight":
+            rest = "mlp.linear_fc1.layer_norm_weight"
+    elif moe and rest == "mlp.linear_fc1.layer_norm_weight":
+        rest = "pre_mlp_layernorm.weight"
+    return f"{head}{layer}.{rest}"
