@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from rlsys.errors import ConfigError
 
 DEFAULT = "cluster"  # the one pool of a config without cluster.pools
-PLACED = ("actor", "ref", "critic", "rollout")  # what names a pool
 
 
 @dataclass(frozen=True)
@@ -64,13 +63,6 @@ def pools(cfg) -> list[Pool]:
         out.append(Pool(name, p.nodes, p.devices_per_node, p.device_memory_gib, kind, resource, node, device))
         node, device = node + p.nodes, device + p.nodes * p.devices_per_node
     return out
-
-
-def pool_named(cfg, name: str) -> Pool:
-    found = {p.name: p for p in pools(cfg)}
-    if name not in found:
-        raise ConfigError("cluster.pools", f"there is no pool {name!r}; the pools are {', '.join(found)}")
-    return found[name]
 
 
 def pool_of(cfg, who: str) -> Pool:

@@ -99,7 +99,7 @@ def learn(run: Run, n: int, rolled: RolloutBatch, t: Timer) -> dict:
     4. the old policy's log-probs (unless the update's own forward gives them), the reference's, the values;
     5. advantages and mismatch weights; 6. the critic's update, then the actor's (none in the critic's warm-up)."""
     s = Learning.start(run, rolled)
-    for timer in {stage.timer for stage in LEARN if stage.timer}:  # reported every step: 0 for stages it had none of
+    for timer in dict.fromkeys(stage.timer for stage in LEARN if stage.timer):  # every step's, 0 where it had none
         t[f"time/{timer}_s"] = t.get(f"time/{timer}_s", 0.0)
     for stage in stages(run.cfg, warmup=n <= run.cfg.algorithm.schedule.critic_warmup_steps):
         on_device = run.turns.on_device(run.roles.get(stage.role)) if stage.turn else contextlib.nullcontext()

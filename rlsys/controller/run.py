@@ -158,7 +158,7 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
     start = _take_up(state, prompts, kl := _kl_controller(cfg), source)
     t = cfg.trainer
     every = t.fully_async.sync_every if t.async_mode == "fully_async" else 1
-    fate = shared_fate(sync_transports(cfg), cfg.rollout.sync.backend)  # engines restarted together (NCCL)
+    fate = shared_fate(transports := sync_transports(cfg), cfg.rollout.sync.backend)  # restarted together (NCCL)
     weights = EngineSync(actor, engines, turns, start + 1, every, t.steps, t.eval_every, fate) if syncing else NoSync()
     if syncing:
         actor.setup_sync(
@@ -167,7 +167,7 @@ def _build(cfg: RunConfig, mode: str, replay_dir: str | None, use_ray: bool, clo
             cfg.rollout.sync,  # resolved (rlsys.config.resolve): no auto reaches the ranks
             cfg.rollout.weight_dtype,
             engines.api_key,
-            sync_transports(cfg),
+            transports,
             cfg.rollout.engine,
         )
     with turns.phase("sync"):  # the engines start from the HF files (or lag a resumed checkpoint)
