@@ -15,6 +15,7 @@ key                                decided from
 ``rollout.release_memory``         colocated CUDA engines rlsys launches release memory while the trainer runs
 ``rollout.dtype``                  the trainer's dtype; on CPU the engine's own (``rlsys.config.engines``)
 ``rollout.sync.backend``           nccl on CUDA, gloo on CPU
+``rollout.sync.senders``          stages over NCCL (one group per stage), writers over gloo
 ``rollout.sync.load_format``       the engine's own (per_bucket into rlsys's CPU engine, flattened into SGLang)
 ``rollout.sync.pause_mode``        retract for fully-async partial rollouts that continue, else abort
 ``algorithm.advantage.estimator``  ``algorithm.name``'s preset (``rlsys.config.registry``)
@@ -58,6 +59,7 @@ RESOLVED_KEYS = (
     "rollout.release_memory",
     "rollout.dtype",
     "rollout.sync.backend",
+    "rollout.sync.senders",
     "rollout.sync.load_format",
     "rollout.sync.pause_mode",
     "algorithm.advantage.estimator",
@@ -76,6 +78,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
     r.release_memory = releases_engine_memory(out)
     r.dtype = engine_dtype(out.rollout, out.model.dtype, out.cluster.device)
     s.backend = sync_backend(out)
+    s.senders = sync_senders(out)
     s.load_format = sync_load_format(out)
     s.pause_mode = sync_pause_mode(out)
     out.algorithm.advantage.estimator = estimator_name(out.algorithm)
@@ -186,6 +189,18 @@ def sync_backend(cfg) -> str:
     """``rollout.sync.backend``: NCCL between GPUs, gloo on CPU."""
     backend = cfg.rollout.sync.backend
     return backend if backend != "auto" else ("nccl" if cfg.cluster.device == "cuda" else "gloo")
+
+
+def sync_senders(cfg) -> str:
+    """``rollout.sync.senders`` after the backend. ``auto``: ``stages`` over NCCL, where every group costs each
+    engine GPU a communicator's buffers outside SGLang's memory budget (``rlsys.plan.communicators``): one per
+    pipeline stage, the stage's TP and EP shards gathered to its first rank over the trainer's own NCCL groups.
+    ``writers`` over gloo, where a group costs nothing and each TP rank sending its own parts saves the gathers
+    (``benchmarks/sync.py``: TP parts against gathers)."""
+    senders = cfg.rollout.sync.senders
+    if senders != "auto":
+        return senders
+    return "stages" if sync_backend(cfg) == "nccl" else "writers"
 
 
 def sync_load_format(cfg) -> str:

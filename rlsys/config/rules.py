@@ -10,7 +10,7 @@ from typing import Any
 
 from rlsys.config.engines import Engine, engine
 from rlsys.config.registry import check_policy_loss, estimator_name, estimator_needs, policy_loss_name
-from rlsys.config.resolve import old_logprobs_from_update, releases_engine_memory
+from rlsys.config.resolve import old_logprobs_from_update, releases_engine_memory, sync_senders
 from rlsys.config.schema import (
     ROLES,
     AlgorithmConfig,
@@ -179,7 +179,6 @@ def _check_rollout(r: RolloutConfig) -> None:
     _need(r.sync.bucket_mb > 0, "rollout.sync.bucket_mb", r.sync.bucket_mb, "must be > 0")
     _need(r.sync.timeout_s > 0, "rollout.sync.timeout_s", r.sync.timeout_s, "must be > 0")
     if r.sync.shards == "parts":  # each TP rank broadcasts its own slices: into its own group, of unquantized tensors
-        _need(r.sync.senders == "writers", "rollout.sync.shards", "parts", "needs rollout.sync.senders: writers")
         _need(r.weight_dtype != "fp8", "rollout.sync.shards", "parts", "FP8 blocks need whole tensors: use gather")
     rollout_engine(r)
     for key in sorted(set(r.sglang.env) & {"MASTER_ADDR", "MASTER_PORT"}):  # see rlsys.rollout.sglang_env
@@ -255,6 +254,9 @@ def _check_cross_section(cfg: RunConfig) -> None:
             True,
             "needs transformer-engine's norms (GPU); megatron's torch norms do not support it, set it to false on cpu",
         )
+    if cfg.rollout.sync.shards == "parts":  # each TP rank broadcasts its own slices into a group of its own
+        _need(sync_senders(cfg) == "writers", "rollout.sync.shards", "parts",
+              "needs rollout.sync.senders: writers (auto is stages over NCCL)")  # fmt: skip
     overlong = a.filters.overlong
     if overlong.enabled:
         _need(

@@ -134,9 +134,12 @@ class SyncConfig:
     # rollouts), in_place (parked with their KV cache; no cache flush then, so SGLang's prefix cache keeps
     # entries of older weights); auto: retract under trainer.fully_async.partial_rollout: continue, else abort
     pause_mode: Literal["auto", "abort", "in_place", "retract"] = "auto"
-    # writers: every pipeline stage / EP rank that exports weights broadcasts its own buckets into the engines
-    # over its own group (rank 0 announces each one); rank0: they all go through trainer rank 0 first
-    senders: Literal["writers", "rank0"] = "writers"
+    # who broadcasts into the engines (rank 0 announces every bucket): stages: each pipeline stage's first rank,
+    # its TP and EP peers' shards gathered to it over the training backend (an engine GPU joins one NCCL group per
+    # stage); writers: every rank that exports (each stage, EP rank and, with TP parts or shares, TP rank) into a
+    # group of its own; rank0: everything through trainer rank 0 (one group; the others' bytes over gloo);
+    # auto: stages over NCCL, writers over gloo (groups cost the engines nothing there, TP parts save gathers)
+    senders: Literal["auto", "stages", "writers", "rank0"] = "auto"
     # TP-split parameters: parts: every TP rank sends its own slices of them (rlsys.sync.parts) and the engines put
     # the slices together (rlsys's CPU engine itself, SGLang through rlsys's loader in its process), so no trainer
     # rank gathers; gather: their TP ranks gather them first; auto: parts where every engine takes them, else gather

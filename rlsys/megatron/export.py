@@ -11,7 +11,10 @@ rank; each stage exports its own layers):
 * dense parameters: the rank with TP rank 0 and DP rank 0 of each stage, after
   its TP peers sent it their shards;
 * expert parameters: the rank with expert-TP rank 0 and expert-DP rank 0 of
-  each (stage, EP rank), after its expert-TP peers sent theirs.
+  each (stage, EP rank), after its expert-TP peers sent theirs; or, with
+  ``experts_to_stage``, the stage's first rank (EP rank 0 too), after every
+  expert-TP and EP rank of the stage sent it its experts' shards, so that one
+  rank per stage writes everything (a weight sync with one group per stage).
 
 With ``spread`` (a weight sync whose every writer broadcasts into the engines itself) each parameter's
 writer is instead one of its (expert-)TP group, the least loaded so far by bytes (``owners``): every TP rank
@@ -26,6 +29,7 @@ Data-parallel replicas other than the writer's skip the work entirely.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -58,6 +62,18 @@ def owners(params: list[MappedParam], size: int, spread: bool, parts: bool = Fal
     return out
 
 
+def _shard_buffers(p: MappedParam, local: torch.Tensor, own: int | None) -> list[torch.Tensor]:
+    """Where ``p``'s shards land, ``local`` already at index ``own`` (None: every shard is received). Shards split
+    along dim 0 land in one buffer (``mapping.joined`` hands it on uncopied: the full tensor is that buffer)."""
+    if p.shard.dim == 0:
+        full = local.new_empty((local.shape[0] * p.shard.size, *local.shape[1:]))
+        shards = list(full.chunk(p.shard.size))
+        if own is not None:
+            shards[own].copy_(local)
+        return shards
+    return [local if i == own else torch.empty_like(local) for i in range(p.shard.size)]
+
+
 def _start_gather(p: MappedParam, group, owner: int, tag: int = 0) -> tuple[list[torch.Tensor], list]:
     """On ``p``'s writer (group rank ``owner``): start collecting its shards, ``(shards, receives)``, the
     shards complete once the receives are done.
@@ -65,17 +81,12 @@ def _start_gather(p: MappedParam, group, owner: int, tag: int = 0) -> tuple[list
     Point-to-point rather than an all-gather: only the writer uses the shards, and gloo's gather collectives
     are several times slower than send/recv for the same bytes. The writer posts a parameter's receives
     before it converts the one before, so the next shards arrive while it converts (gloo matches a pair's
-    messages in order). Shards split along dim 0 land in one buffer (``mapping.joined`` hands it on uncopied).
+    messages in order).
     """
     local = p.tensor.detach().contiguous()
     if not _sharded(p):
         return [local], []
-    if p.shard.dim == 0:  # into consecutive rows of one buffer: the full tensor is that buffer, not a copy of it
-        full = local.new_empty((local.shape[0] * p.shard.size, *local.shape[1:]))
-        shards = list(full.chunk(p.shard.size))
-        shards[owner].copy_(local)
-    else:
-        shards = [local if i == owner else torch.empty_like(local) for i in range(p.shard.size)]
+    shards = _shard_buffers(p, local, owner)
     peers = [i for i in range(p.shard.size) if i != owner]
     receives = [dist.irecv(shards[i], src=dist.get_global_rank(group, i), group=group, tag=tag) for i in peers]
     return shards, receives
@@ -140,8 +151,61 @@ def is_dense_writer(topo: Topology, spread: bool = False) -> bool:
     return (spread or topo.tp_rank == 0) and topo.dp_rank == 0 and topo.cp_rank == 0
 
 
-def is_expert_writer(topo: Topology, spread: bool = False) -> bool:
+def is_expert_writer(topo: Topology, spread: bool = False, to_stage: bool = False) -> bool:
+    if to_stage:  # the stage's first rank writes every expert of the stage
+        return topo.etp_rank == 0 and topo.edp_rank == 0 and topo.ep_rank == 0
     return (spread or topo.etp_rank == 0) and topo.edp_rank == 0
+
+
+def _stage_experts(experts: list[MappedParam], chunks, arch: ModelArch, table, topo: Topology, only, tag: int):
+    """``experts_to_stage``: every expert parameter of the stage, ``(param as EP rank e maps it, its shards)``, on
+    the stage's first rank, which receives each (EP rank, expert-TP rank)'s shard over the expert TP x EP group
+    (megatron orders it expert-TP rank fastest); the other members send theirs (``_send_to_stage``). The next
+    parameter's receives are posted before each yield, as ``_gathered`` does."""
+    group = topo.pg.tp_ep
+    # EP rank e's experts under their global ids: the same walk with e's place in the grid (names only)
+    mapped = [
+        [p for c in chunks for p in iter_mapped_params(c, arch, table, dataclasses.replace(topo, ep_rank=e), only)
+         if p.is_expert and not p.skip_export]
+        for e in range(topo.ep)
+    ]  # fmt: skip
+    if any(len(m) != len(experts) for m in mapped):
+        raise RuntimeError("experts_to_stage: EP ranks map different expert parameters; check the topology")
+
+    def start(i: int):
+        p = experts[i]
+        local = p.tensor.detach().contiguous()
+        shards, receives = [], []
+        for e in range(topo.ep):
+            mine = _shard_buffers(p, local, 0 if e == 0 else None) if _sharded(p) else [local if e == 0 else None]
+            for t in range(len(mine)):
+                if e == 0 and t == 0:
+                    continue
+                if mine[t] is None:
+                    mine[t] = torch.empty_like(local)
+                src = dist.get_global_rank(group, e * topo.etp + t)
+                receives.append(dist.irecv(mine[t], src=src, group=group, tag=tag))
+            shards.append(mine)
+        return i, shards, receives
+
+    pending = start(0) if experts else None
+    while pending is not None:
+        i, shards, receives = pending
+        pending = start(i + 1) if i + 1 < len(experts) else None
+        for r in receives:
+            r.wait()
+        for e in range(topo.ep):
+            q = mapped[e][i]
+            yield from q.transform.to_hf(shards[e], q.shard.dim, q.hf_names, arch).items()
+
+
+def _send_to_stage(experts: list[MappedParam], topo: Topology, tag: int) -> list:
+    """A member of the stage's expert TP x EP group other than its first: its shard of every expert parameter (of
+    one not split over expert TP, expert-TP rank 0's copy alone)."""
+    group = topo.pg.tp_ep
+    dst = dist.get_global_rank(group, 0)
+    mine = [p for p in experts if _sharded(p) or topo.etp_rank == 0]
+    return [dist.isend(p.tensor.detach().contiguous(), dst=dst, group=group, tag=tag) for p in mine]
 
 
 @torch.no_grad()
@@ -154,6 +218,7 @@ def iter_hf_tensors(
     sends: list | None = None,
     parts=None,
     tag: int = 0,
+    experts_to_stage: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` on writer ranks, each its own parameters' (``spread``: see the module
     docstring); other ranks yield nothing but must iterate too.
@@ -171,17 +236,24 @@ def iter_hf_tensors(
     sync its own, so that a shard sent in a sync that failed before its receiver took it is never taken for
     another parameter's in the next.
 
+    ``experts_to_stage``: the stage's first rank writes every expert of the stage (see the module docstring);
+    neither ``spread`` nor ``parts`` then.
+
     ``only(local_name)`` restricts the export to some parameters (the same on every rank of a group).
     """
     table = table_for(arch)
     params = [
         p for chunk in chunks for p in iter_mapped_params(chunk, arch, table, topo, only=only) if not p.skip_export
     ]
+    if experts_to_stage and (spread or parts is not None):
+        raise ValueError("experts_to_stage writes from one rank per stage: no spread, no parts")
+    experts = [p for p in params if p.is_expert]
+    to_stage = experts_to_stage and bool(experts) and topo.ep * topo.etp > 1
     # Dense first, then experts: the two passes use different groups, and every member
     # of a group walks the same parameters in the same order.
     passes = (
         ([p for p in params if not p.is_expert], topo.dp_rank == 0 and topo.cp_rank == 0, topo.pg.tp),
-        ([p for p in params if p.is_expert], topo.edp_rank == 0, topo.pg.expt_tp),
+        (experts, topo.edp_rank == 0 and not to_stage, topo.pg.expt_tp),
     )
     plans = [
         (ps, group, owners(ps, dist.get_world_size(group), _spreads(group, spread, parts), parts is not None))
@@ -189,12 +261,17 @@ def iter_hf_tensors(
         if joins
     ]
     outgoing = [s for ps, group, owner_of in plans for s in _send_shards(ps, group, owner_of, tag)]
+    stage_writer = to_stage and topo.edp_rank == 0 and dist.get_rank(topo.pg.tp_ep) == 0
+    if to_stage and topo.edp_rank == 0 and not stage_writer:
+        outgoing += _send_to_stage(experts, topo, tag)
     for group_params, group, owner_of in plans:
         if parts is not None:
             yield from _own_parts(group_params, group, owner_of, arch, parts)
             continue
         for p, shards in _gathered(group_params, group, owner_of, tag):
             yield from p.transform.to_hf(shards, p.shard.dim, p.hf_names, arch).items()
+    if stage_writer:
+        yield from _stage_experts(experts, chunks, arch, table, topo, only, tag)
     if sends is not None:
         sends.extend(outgoing)
         return

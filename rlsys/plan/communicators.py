@@ -2,13 +2,14 @@
 
 Under ``rollout.sync.senders: writers`` every writer of the actor (each pipeline stage's ranks of DP, CP rank 0
 and every TP rank; each EP rank's experts) broadcasts into the engines over a group of its own
-(``rlsys.sync.broadcast``), and every engine GPU joins all of them; ``senders: rank0`` (or engines that take
-bucket transports) is one group. Each NCCL communicator allocates its own per-channel buffers and proxy state on
-the engine GPU, outside SGLang's ``mem_fraction`` (NCCL_BUFFSIZE, 4 MiB by default, per peer connection, channel
-and direction): ``NCCL_COMM_BYTES`` per communicator is an estimate to be measured on a GPU
-(``benchmarks/gpu_check.sh``). ``rlsys plan`` prints the count and adds the buffers to the engines' sync phase,
-where a layout with too many groups (qwen3-235b's 64 writers: 64 communicators of 65 ranks per engine GPU) then
-fails the memory check, naming the numbers.
+(``rlsys.sync.broadcast``), and every engine GPU joins all of them; under ``stages`` (NCCL's default) each
+pipeline stage's first rank, the stage's shards gathered to it first: one group per stage; ``senders: rank0``
+(or engines that take bucket transports) is one group. Each NCCL communicator allocates its own per-channel
+buffers and proxy state on the engine GPU, outside SGLang's ``mem_fraction`` (NCCL_BUFFSIZE, 4 MiB by default,
+per peer connection, channel and direction): ``NCCL_COMM_BYTES`` per communicator is an estimate to be measured
+on a GPU (``benchmarks/gpu_check.sh``). ``rlsys plan`` prints the count and adds the buffers to the engines' sync
+phase, where a layout with too many groups (qwen3-235b under ``writers``: 64 communicators of 65 ranks per engine
+GPU) then fails the memory check, naming the numbers.
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ def groups_per_engine_gpu(cfg: RunConfig, transports: list[str], actor_world: in
     """Weight-update groups each engine GPU joins (0: none, the engines take another transport)."""
     if "broadcast" not in transports:
         return 0
-    direct = cfg.rollout.sync.senders == "writers" and set(transports) == {"broadcast"}
+    senders = cfg.rollout.sync.senders  # resolved (rlsys.config.resolve.sync_senders)
+    direct = senders in ("writers", "stages") and set(transports) == {"broadcast"}
     if not direct or actor_world == 1:
         return 1
     p = cfg.actor.parallel
+    if senders == "stages":
+        return p.pp
     writers = 0
     for rank in range(actor_world):
         c = rank_coords(rank, p, actor_world)

@@ -48,8 +48,8 @@ HEADROOM = 0.9  # fragmentation and temporary buffers: plan for 90% of the devic
 LOGIT_BYTES = 10  # per [token, vocab / tp] entry: bf16 logits + fp32 scaled copy + fp32 exp
 ENGINE_WEIGHT_SHARE = 0.8  # engine weights may take at most this share of mem_fraction; the rest is KV cache
 FEWER_GROUPS = (
-    "; or join the engines to fewer weight-update groups (rollout.sync.senders: rank0 is one; each writer's own is "
-    "one per writer, rlsys.plan.communicators)"
+    "; or join the engines to fewer weight-update groups (rollout.sync.senders: stages is one per pipeline stage, "
+    "rank0 one; writers one per writer, rlsys.plan.communicators)"
 )
 _SERVED_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 _PART_FIELDS = {"params": "weights", "grads": "grads", "optimizer": "optimizer"}

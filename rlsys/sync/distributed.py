@@ -126,6 +126,8 @@ from rlsys.sync.verify import TrainerChecksums
 from rlsys.sync.wire import dtype_name
 from rlsys.sync.writer import Writer
 
+SENDERS = ("writers", "stages", "rank0")
+
 
 class DistributedWeightSync:
     """One trainer rank's weight sync: built on every trainer rank (a collective), ``sync`` called on every one.
@@ -183,7 +185,7 @@ class DistributedWeightSync:
         ramp, flatten = self.is_sender or self.direct, self.direct or self.is_sender and bool(on_group)
         self.filler = BucketFiller(
             arch, topo, bucket_bytes=int(bucket_mb * 2**20), load_format=load_format, fp8=weight_dtype == "fp8",
-            delta=self.delta, ramp=ramp, flatten=flatten,
+            delta=self.delta, ramp=ramp, flatten=flatten, experts_to_stage=self.to_stage,
         )  # fmt: skip
         self.sessions = EngineSessions(
             engines, engine_tp, self._calls, timeout_s=timeout_s, pause_mode=pause_mode, verify=verify,
@@ -210,27 +212,32 @@ class DistributedWeightSync:
 
     def _choose_writers(self, senders: str, shards: str, only_groups: bool) -> str:
         """Which ranks write (the same list everywhere) and whether each broadcasts its own buckets; returns this
-        trainer's incarnation, part of its group names. Writers broadcast their own (rank 0 announces them), each
-        TP rank its share (export's spread), only where every engine is on a broadcast group."""
+        trainer's incarnation, part of its group names. Writers broadcast their own (rank 0 announces them) only
+        where every engine is on a broadcast group: under ``writers`` each TP rank its share (export's spread),
+        under ``stages`` each stage's first rank everything of its stage (its TP and EP peers' shards gathered to
+        it over the training group's backend: an engine GPU joins one group per stage)."""
         spread = senders == "writers" and only_groups
+        self.to_stage = senders == "stages"
         refused = None
         if self.is_sender and shards == "parts" and not spread:
-            refused = "parts are broadcast by each TP rank into every engine: other transports take whole tensors"
-        decision = [spread, refused, os.urandom(3).hex()]
+            refused = "parts are broadcast by each TP rank into its own group: senders: writers, every engine on one"
+        decision = [spread, refused, os.urandom(3).hex(), only_groups]  # rank 0's: it alone holds the engines
         dist.broadcast_object_list(decision, src=0, group=self.control)
         if decision[1]:
             raise ConfigError("rollout.sync.shards", f"'parts' is impossible here ({decision[1]}): use auto or gather")
-        self.spread = bool(decision[0])
+        self.spread, only_groups = bool(decision[0]), bool(decision[3])
         flags = [None] * dist.get_world_size()
-        mine = is_dense_writer(self.topo, self.spread) or is_expert_writer(self.topo, self.spread)
+        mine = is_dense_writer(self.topo, self.spread) or is_expert_writer(self.topo, self.spread, self.to_stage)
         dist.all_gather_object(flags, mine)
         self.writers = [r for r, w in enumerate(flags) if w]
         if 0 not in self.writers:
             raise RuntimeError("global rank 0 must export weights (TP, PP, DP, EP rank 0); check the topology")
+        if self.to_stage and len(self.writers) > self.topo.pp:
+            raise RuntimeError(f"sync.senders stages: {len(self.writers)} writers for {self.topo.pp} stages")
         # the funnel carries the writers' buckets (or headers) to rank 0, the acks its answers back
         self.funnel = dist.new_group(self.writers, backend="gloo") if len(self.writers) > 1 else None
         self.acks = dist.new_group(self.writers, backend="gloo") if len(self.writers) > 1 else None
-        self.direct = self.spread and len(self.writers) > 1
+        self.direct = (self.spread or self.to_stage and only_groups) and len(self.writers) > 1
         return decision[2]
 
     # -- what the worker reads ----------------------------------------------------------------------
@@ -371,8 +378,8 @@ def _check(pause_mode, weight_dtype, senders, backend, shards, load_format) -> N
         raise ValueError(f"sync.pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
     if weight_dtype not in ("auto", "fp8"):
         raise ValueError(f"rollout.weight_dtype must be 'auto' or 'fp8', got {weight_dtype!r}")
-    if senders not in ("writers", "rank0"):
-        raise ValueError(f"sync.senders must be 'writers' or 'rank0', got {senders!r}")
+    if senders not in SENDERS:
+        raise ValueError(f"sync.senders must be one of {SENDERS} (rlsys.config.resolve decides auto), got {senders!r}")
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"sync.backend must be nccl or gloo (rlsys.config.resolve decides auto), got {backend!r}")
     if shards not in ("auto", "parts", "gather"):

@@ -62,10 +62,14 @@ class BucketFiller:
 
     ``ramp``: the first buckets smaller (``buckets.ramp_start``), where this rank's first broadcast waits for its
     first bucket; ``flatten``: buckets that go flat are flattened here, on the filling thread (the sending thread is
-    the busier one), into the bucket's slot buffer; ``delta``: the writer's ``DeltaEncoder`` or None."""
+    the busier one), into the bucket's slot buffer; ``delta``: the writer's ``DeltaEncoder`` or None;
+    ``experts_to_stage``: the stage's first rank writes every expert of it (``sync.senders: stages``)."""
 
-    def __init__(self, arch, topo, *, bucket_bytes: int, load_format: str, fp8: bool, delta, ramp: bool, flatten: bool):
-        self.arch, self.topo = arch, topo
+    def __init__(
+        self, arch, topo, *, bucket_bytes: int, load_format: str, fp8: bool, delta, ramp: bool, flatten: bool,
+        experts_to_stage: bool = False,
+    ):  # fmt: skip
+        self.arch, self.topo, self.experts_to_stage = arch, topo, experts_to_stage
         self.bucket_bytes, self.load_format, self.fp8, self.delta = bucket_bytes, load_format, fp8, delta
         self.ramp, self.flatten = ramp, flatten
         self.buffers = Buffers()
@@ -74,7 +78,10 @@ class BucketFiller:
         """The source: ``(name, tensor)`` of this rank's share (none on a writer's TP peers, which only gather).
         ``sends``: the shards this rank owes its TP peers are posted there before anything is exported."""
         parts = (lambda p: part_name(p.name, p.dim, p.start, p.tensor.shape[p.dim], p.total)) if rnd.parts else None
-        return iter_hf_tensors(chunks, self.arch, self.topo, spread=rnd.spread, sends=sends, parts=parts, tag=rnd.tag)
+        return iter_hf_tensors(
+            chunks, self.arch, self.topo, spread=rnd.spread, sends=sends, parts=parts, tag=rnd.tag,
+            experts_to_stage=self.experts_to_stage,
+        )  # fmt: skip
 
     def fill(self, chunks, rnd: Round, outbox: Handoff, sends: list, after_bucket=None) -> None:
         """Every bucket into ``outbox``; ``after_bucket()`` after each. After a failure the export still goes to its

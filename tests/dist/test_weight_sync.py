@@ -85,6 +85,7 @@ def _trainer(hf_dir, layout, urls, engine_tp, opts, out_dir):
             peak_buckets=stats.peak_buckets,
             relayed=stats.relayed_bytes,
             parts=sync.parts,
+            writers=sync.writers,
         )
         result["rounds"] = [_perturbed_sync(worker, sync, r) for r in range(opts.get("rounds", 0))]
     except Exception as e:  # the test inspects how a failed sync reports
@@ -271,6 +272,27 @@ def test_sync_makes_every_engine_tensor_equal_the_trainers(
         got = engine_checksums(url)
         assert got == want
         assert EngineClient(url).weight_version() == "1"
+    diffs = [r["logprob_diff_max"] for r in reports if "logprob_diff_max" in r]
+    assert diffs and max(diffs) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "layout,writers",
+    [({"ep": 2, "pp": 2}, [0, 2]), ({"tp": 2, "ep": 2}, [0])],
+    ids=["qwen3_moe-ep2-pp2", "qwen3_moe-tp2-etp2-ep2"],
+)
+def test_stages_send_from_each_stages_first_rank_with_the_stages_experts_gathered_to_it(
+    engines, tiny_checkpoints, tmp_path, layout, writers
+):
+    """``senders: stages`` (NCCL's default): one group per stage, so the writers are the stages' first ranks; the
+    other EP ranks' (and expert-TP ranks') shards reach them over the trainer's own groups, none through rank 0."""
+    hf = tiny_checkpoints["qwen3_moe"]
+    urls = [url for _, url in engines("qwen3_moe")]
+    reports = run_sync(hf, layout, 4, urls, tmp_path, senders="stages", verify=True, logprobs=True)
+    assert all("error" not in r for r in reports), reports
+    assert reports[0]["writers"] == writers and reports[0]["relayed"] == 0
+    for url in urls:
+        assert engine_checksums(url) == checkpoint_checksums(hf, False)
     diffs = [r["logprob_diff_max"] for r in reports if "logprob_diff_max" in r]
     assert diffs and max(diffs) < 1e-4
 

@@ -71,7 +71,7 @@ CASES = [
     ("nested unknown key", "nested_typo.yaml", lambda f: [], ["actor.optimizer.learning_rate", "valid keys"]),
     ("unknown key override", None, lambda f: ["rollout.sampling.temprature=1"], ["rollout.sampling.temprature"]),
     ("wrong type", None, lambda f: ["trainer.steps=abc"], ["trainer.steps", "expected int"]),
-    ("wrong literal", None, lambda f: ["rollout.sync.senders=all"], ["rollout.sync.senders", "'writers', 'rank0'"]),
+    ("wrong literal", None, lambda f: ["rollout.sync.senders=all"], ["rollout.sync.senders", "'stages', 'writers'"]),
     ("unknown engine", None, lambda f: ["rollout.engine=vllm"], ["rollout.engine", "cpu, sglang", "package.module"]),
     ("moved engine key", None, lambda f: ["rollout.sglang_args=[--x]"], ["rollout.sglang.args"]),
     ("negative steps", None, lambda f: ["trainer.steps=-1"], ["trainer.steps", ">= 1"]),

@@ -1,6 +1,6 @@
 """The weight-update groups every engine GPU joins and their NCCL buffers, as ``rlsys plan`` counts them
 (``rlsys.plan.communicators``): one group per writer under ``senders: writers``, whose communicators a large
-expert-parallel layout cannot afford on the engines' GPUs."""
+expert-parallel layout cannot afford on the engines' GPUs; one per pipeline stage under ``stages``, NCCL's default."""
 
 import pytest
 
@@ -24,12 +24,28 @@ def test_a_group_per_writer_is_counted_and_its_buffers_fail_the_engines_sync_pha
     with pytest.raises(ConfigError) as e:
         _plan(QWEN3_235B, ["rollout.sync.senders=writers"])
     assert f"NCCL communicators {64 * NCCL_COMM_BYTES / GIB:.1f}" in str(e.value)
-    assert "fewer weight-update groups (rollout.sync.senders: rank0 is one" in str(e.value)
+    assert "fewer weight-update groups (rollout.sync.senders: stages is one per pipeline stage" in str(e.value)
+
+
+def test_on_nccl_auto_sends_per_stage_one_group_each_which_fits():
+    cfg = load_config(QWEN3_235B)  # PP4, EP16: every stage's experts gathered to its first rank
+    assert cfg.rollout.sync.senders == "stages"
+    assert groups_per_engine_gpu(cfg, ["broadcast"] * 8, 64) == 4
+    text = render_plan(_plan(QWEN3_235B))
+    assert "weight-update groups per engine GPU: 4, their NCCL communicators ~0.5 GiB in the sync phase" in text
 
 
 def test_one_group_through_rank_0_fits_and_is_printed():
-    text = render_plan(_plan(QWEN3_235B))
+    text = render_plan(_plan(QWEN3_235B, ["rollout.sync.senders=rank0"]))
     assert "weight-update groups per engine GPU: 1, their NCCL communicators ~0.1 GiB in the sync phase" in text
+
+
+def test_auto_keeps_each_writer_its_group_over_gloo_and_parts_need_writers_on_nccl():
+    assert load_config("configs/tiny-cpu-grpo.yaml").rollout.sync.senders == "writers"
+    with pytest.raises(ConfigError) as e:
+        load_config(QWEN3_235B, ["rollout.sync.shards=parts"])
+    assert "needs rollout.sync.senders: writers (auto is stages over NCCL)" in str(e.value)
+    assert load_config(QWEN3_235B, ["rollout.sync.shards=parts", "rollout.sync.senders=writers"])
 
 
 def test_engines_that_take_no_group_join_none_and_gloo_holds_no_nccl_buffers():
