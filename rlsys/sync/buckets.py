@@ -158,19 +158,22 @@ class WriterFailed(RuntimeError):
     """The sending rank ended its stream of buckets early (``send_end(failed=True)``)."""
 
 
-def send_bucket(bucket: Bucket, dst: int, group, buffer: torch.Tensor | None = None, header_only=False) -> None:
+def send_bucket(
+    bucket: Bucket, dst: int, group, buffer: torch.Tensor | None = None, header_only=False, bytes_group=None
+) -> None:
     """Send a bucket, aligned, to ``dst`` over a gloo group; ``header_only``: its names, dtypes and shapes
     (the bytes go elsewhere).
 
-    The bytes are flattened into ``buffer`` (host memory: gloo sends from there), reusable at once because
-    ``dist.send`` returns only when the bytes have left.
+    The bytes are flattened into ``buffer`` and sent over ``bytes_group`` (default: ``group``), reusable at once:
+    over gloo (a host buffer) ``dist.send`` returns when the bytes have left; over NCCL (a device buffer on the
+    trainer's own group, device to device) the next write into it is ordered after the send on the stream.
     """
     bucket = bucket.aligned()
     header = json.dumps([bucket.names, bucket.dtypes, bucket.shapes]).encode()
     dist.send(torch.tensor([len(header), bucket.nbytes], dtype=torch.int64), dst=dst, group=group)
     dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst=dst, group=group)
     if not header_only:
-        dist.send(bucket.flattened(buffer), dst=dst, group=group)
+        dist.send(bucket.flattened(buffer), dst=dst, group=bytes_group or group)
 
 
 def send_end(dst: int, group, failed: bool = False) -> None:
@@ -178,9 +181,10 @@ def send_end(dst: int, group, failed: bool = False) -> None:
     dist.send(torch.tensor([-1 if failed else 0, 0], dtype=torch.int64), dst=dst, group=group)
 
 
-def recv_bucket(src: int, group, buffer, timeout_s: float) -> Bucket | None:
-    """The next bucket ``send_bucket`` sent from ``src``, its bytes received into ``buffer(nbytes)`` (a uint8
-    host tensor of that size) and its tensors views into them; ``None`` at the end of the stream
+def recv_bucket(src: int, group, buffer, timeout_s: float, bytes_group=None) -> Bucket | None:
+    """The next bucket ``send_bucket`` sent from ``src``, its bytes received (over ``bytes_group``, default
+    ``group``) into ``buffer(nbytes)`` (a uint8 tensor of that size, on that group's device) and its tensors
+    views into them; ``None`` at the end of the stream
     (``send_end``), ``WriterFailed`` if the sender failed. ``buffer=None``: a ``header_only`` bucket, its
     tensors on the meta device (shapes and dtypes, no bytes).
 
@@ -188,9 +192,9 @@ def recv_bucket(src: int, group, buffer, timeout_s: float) -> Bucket | None:
     receive also closes the connection to ``src``: the group is unusable afterwards).
     """
 
-    def recv(t: torch.Tensor) -> torch.Tensor:
+    def recv(t: torch.Tensor, over=group) -> torch.Tensor:
         try:
-            dist.irecv(t, src=src, group=group).wait(timeout=timedelta(seconds=timeout_s))
+            dist.irecv(t, src=src, group=over).wait(timeout=timedelta(seconds=timeout_s))
         except RuntimeError as e:
             if "Timed out" in str(e):
                 raise TimeoutError(f"rank {src} sent no weights for {timeout_s:g}s") from e
@@ -206,7 +210,7 @@ def recv_bucket(src: int, group, buffer, timeout_s: float) -> Bucket | None:
     if buffer is None:
         tensors = [torch.empty(s, dtype=dtype_from_str(d), device="meta") for d, s in zip(dtypes, shapes)]
         return Bucket(names, tensors, nbytes)
-    return Bucket.from_flat(names, recv(buffer(nbytes)), dtypes, shapes)
+    return Bucket.from_flat(names, recv(buffer(nbytes), bytes_group or group), dtypes, shapes)
 
 
 # ---- between two threads -----------------------------------------------------------------------------------

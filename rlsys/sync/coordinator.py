@@ -58,21 +58,37 @@ class Coordinator:
         stats.peak_buckets = outbox.peak
 
     def deliver(self, bucket: Bucket, rnd: Round, stats: SyncStats) -> None:
-        """One bucket into every engine, through every transport at once (on the Handoff's thread); another
-        writer's is announced, that writer broadcasts it, and hears the verdict after. An error is kept in
-        ``rnd.failure``, not raised: the main thread drains the sync, and later buckets are skipped."""
-        if bucket.sender and not self.turns.answer(bucket.sender):  # skipped: the writer starts no send
+        """One bucket into every engine, through every transport at once (on the Handoff's thread). Another
+        writer's is announced first, and only then is the writer told to broadcast it (on NCCL a new group's
+        communicator is built by that broadcast, which an engine's early error would strand); it hears the verdict
+        after. An error is kept in ``rnd.failure``, not raised: the main thread drains the sync, and later
+        buckets are skipped."""
+        sender = bucket.sender
+        if rnd.failure.error is not None:
+            if sender:
+                self.turns.answer(sender, ok=False)  # skipped: the writer starts no send
             return
-        if rnd.failure.error is None and bucket.names:
-            try:
-                self._deliver(bucket.aligned(), rnd.version)
+        went: list[bool] = []  # whether, and with what answer, the writer was told to go
+
+        def go() -> None:
+            went.append(self.turns.answer(sender))
+            if not went[0]:  # a failure came first: announced, but the writer skips its broadcast
+                raise RuntimeError(f"weight sync stopped before writer rank {sender} broadcast its bucket")
+
+        try:
+            if bucket.names:
+                self._deliver(bucket.aligned(), rnd.version, go if sender else None)
                 stats.bytes += bucket.nbytes
                 stats.tensors += len(bucket.names)
                 stats.buckets += 1
-            except Exception as e:
-                rnd.failure.note(e)
-        if bucket.sender:  # the writer waits for the verdict whatever happened
-            self.turns.answer(bucket.sender)
+            elif sender:
+                go()
+        except Exception as e:
+            rnd.failure.note(e)
+        if sender and not went:
+            self.turns.answer(sender, ok=False)  # failed before its turn to send: it skips
+        elif went and went[0]:
+            self.turns.answer(sender)  # the verdict, which it waits for whatever happened
 
     def finish(self, version: int, parts: bool, checks) -> None:
         """After every bucket landed; the sessions' end and verification are engine answers too."""
@@ -90,11 +106,13 @@ class Coordinator:
         self._abort()
         self.sessions.close(resume=False)
 
-    def _deliver(self, bucket: Bucket, version: int) -> None:
+    def _deliver(self, bucket: Bucket, version: int, go=None) -> None:
         # An engine answers once it has received the bucket, or at once with its error: waiting on every reply
         # first turns an error answer into an error now, not a broadcast that waits out its timeout.
         with contextlib.ExitStack() as delivering:  # each transport's resources live until every engine answered
             replies = [r for t in self.transports for r in delivering.enter_context(t.send(bucket, version))]
+            if go is not None:  # every transport announced it (and heard a new group's early errors)
+                go()
             first_error(replies, self.timeout_s)
 
     def _take_turns(self, outbox: Handoff, until_done: bool = False) -> None:

@@ -30,9 +30,12 @@ Per sync, on every trainer rank (a collective over the training world):
    flight at a time (engines that received two groups' buckets in different orders would deadlock), and rank 0
    takes turns: after each of its own buckets, the next of every writer still sending (``rlsys.sync.turns``), so a
    tensor's TP parts land in neighbouring buckets and no writer's ready bucket waits for another's export. With
-   ``senders: rank0`` (and whenever an engine is colocated) writers send the bytes to rank 0 instead, as a
-   header and one flat uint8 tensor from a reused host buffer, and rank 0 broadcasts each received bucket as it
-   arrived (its tensors are views into the received bytes); SGLang then receives from one group, rank 0's.
+   ``senders: rank0`` (and whenever an engine takes a bucket transport, e.g. colocated) writers send the bytes to
+   rank 0 instead, as a header over the gloo funnel and one flat uint8 tensor from a reused buffer over a group on
+   the trainer's own backend (NCCL between GPUs: device to device, no host copy), and rank 0 delivers each
+   received bucket as it arrived (its tensors are views into the received bytes); SGLang then receives from one
+   group, rank 0's. Under ``senders: stages`` the writers are the stages' first ranks (``rlsys.megatron.export``'s
+   ``experts_to_stage``: each stage's TP and EP shards gathered to it over the trainer's own groups).
 4. A background thread on rank 0 broadcasts each bucket while the next one is filled or received: it fires
    ``update_weights_from_distributed(names, dtypes, shapes, flush_cache=False, weight_version)`` at each
    engine (which blocks until it has the bucket), broadcasts, then waits; each writer's thread alike.
@@ -40,10 +43,10 @@ Per sync, on every trainer rank (a collective over the training world):
 Memory on rank 0: at most two buckets are alive, one being filled or received and one being broadcast
 (``buckets.Handoff`` bounds and counts them; ``SyncStats.peak_buckets``). Rank 0 flattens each of its own
 buckets that go flat (``buckets.sends_flat``) when it closes it, on the main thread (the broadcast thread is
-the busier one), into one of two bucket-sized buffers kept between syncs, one per alive bucket (on GPU,
-received buckets also pass through two host buffers); on top, the exported tensors of the bucket being
+the busier one), into one of two bucket-sized buffers kept between syncs, one per alive bucket (received buckets
+land in the same two); on top, the exported tensors of the bucket being
 filled (``per_bucket``: and of the small tensors' one) and the one that did not fit into the bucket before. A
-writer holds at most two buckets and two bucket buffers on its device (``senders: rank0``: one host buffer).
+writer holds at most two buckets and two bucket buffers on its device (``senders: rank0``: one send buffer).
 
 Around the buckets rank 0 pauses generation (``pause_mode``: abort, or in_place/retract for partial rollouts),
 flushes the engines' caches once (not under in_place: parked requests keep theirs) and opens each engine's
@@ -195,12 +198,12 @@ class DistributedWeightSync:
         if len(self.writers) > 1:
             turns = WriterTurns(
                 self.writers, self.funnel, self.acks, self.filler.buffers, direct=self.direct, delta=delta,
-                timeout_s=timeout_s, device=topo.device,
+                timeout_s=timeout_s, device=topo.device, relay=self.relay,
             )  # fmt: skip
         self.coordinator = Coordinator(
             self.sessions, [*bucket_transports, self.broadcast], self.filler, turns, timeout_s=timeout_s
         )
-        self.writer = Writer(self.filler, self.broadcast, self.funnel, self.acks, direct=self.direct)
+        self.writer = Writer(self.filler, self.broadcast, self.funnel, self.acks, direct=self.direct, relay=self.relay)
 
     @classmethod
     def from_config(cls, topo, arch, engines, engine_tp, cfg, *, weight_dtype: str, transports):
@@ -238,6 +241,9 @@ class DistributedWeightSync:
         self.funnel = dist.new_group(self.writers, backend="gloo") if len(self.writers) > 1 else None
         self.acks = dist.new_group(self.writers, backend="gloo") if len(self.writers) > 1 else None
         self.direct = (self.spread or self.to_stage and only_groups) and len(self.writers) > 1
+        # the whole buckets' bytes, where writers send them to rank 0: on the trainer's own backend (NCCL on GPU,
+        # device to device; the headers and answers stay on gloo, which has receive timeouts)
+        self.relay = dist.new_group(self.writers) if len(self.writers) > 1 and not self.direct else None
         return decision[2]
 
     # -- what the worker reads ----------------------------------------------------------------------

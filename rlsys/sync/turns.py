@@ -1,7 +1,8 @@
 """Rank 0's side of the other writers' buckets during a weight sync (``rlsys.sync.coordinator``): taking turns with
-them, receiving each bucket's header (``senders: writers``: the writer broadcasts the bytes itself) or the whole
-bucket (``senders: rank0``), telling a writer whether its bucket goes on and landed, and mirroring what they sent
-for ``sync.verify`` under delta syncs."""
+them, receiving each bucket's header (where the writer broadcasts the bytes itself) or the whole bucket (``senders:
+rank0``, engines on bucket transports: the bytes over the trainer's own backend, on GPU device to device), telling
+a writer whether its bucket goes on and landed, and mirroring what they sent for ``sync.verify`` under delta
+syncs."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class WriterTurns:
 
     def __init__(self, writers: list[int], funnel, acks, buffers: Buffers, *, direct: bool, delta: bool, **cfg):
         self.writers, self.funnel, self.acks, self.buffers = writers, funnel, acks, buffers
+        self.relay = cfg["relay"]  # the whole buckets' bytes: the trainer's own backend (NCCL: device to device)
         self.direct, self.delta = direct, delta
         self.timeout_s, self.device = cfg["timeout_s"], cfg["device"]
         self.mirror: dict[str, torch.Tensor] = {}  # each tensor as the other writers last sent it (delta + verify)
@@ -86,10 +88,10 @@ class WriterTurns:
     def _receive(self, src: int, outbox: Handoff) -> Bucket | None:
         def into(nbytes: int) -> torch.Tensor:
             outbox.begin()
-            return self.buffers.get(outbox.slot, nbytes, "cpu")
+            return self.buffers.get(outbox.slot, nbytes, self.device)  # broadcast or handed on from there
 
         try:
-            bucket = recv_bucket(src, self.funnel, None if self.direct else into, self.timeout_s)
+            bucket = recv_bucket(src, self.funnel, None if self.direct else into, self.timeout_s, self.relay)
         except TimeoutError as e:
             raise TimeoutError(f"weight sync: writer rank {src} sent nothing for {self.timeout_s:g}s") from e
         except WriterFailed:
@@ -101,9 +103,6 @@ class WriterTurns:
         if self.direct:  # its names, dtypes and shapes, which rank 0 announces; the writer broadcasts the bytes
             bucket.sender = src
             return bucket
-        if self.device.type != "cpu":  # gloo delivers to host memory; broadcast from the device like rank 0's own
-            flat = self.buffers.get(outbox.slot, bucket.nbytes, self.device).copy_(bucket.flat)
-            bucket = Bucket.from_flat(bucket.names, flat, bucket.dtypes, bucket.shapes)
         if self._rnd.checks is not None:
             for n, t in zip(bucket.names, bucket.tensors):
                 self._rnd.checks.add(*self._mirrored(n, t))

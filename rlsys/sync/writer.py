@@ -1,6 +1,7 @@
 """A writer's side of a weight sync on a trainer rank other than 0 (one per pipeline stage and EP rank, and under
-``sync.shards: parts`` every TP rank): its buckets go to rank 0 over the gloo funnel (``senders: rank0``), or, with
-``senders: writers``, only their headers, and the bytes into its own broadcast group once rank 0 says go."""
+``sync.shards: parts`` every TP rank): its buckets go to rank 0 (``senders: rank0``, or engines on bucket
+transports), the headers over the gloo funnel and the bytes over the trainer's own backend; or, where every writer
+broadcasts its own, only their headers, and the bytes into its own broadcast group once rank 0 says go."""
 
 from __future__ import annotations
 
@@ -20,8 +21,12 @@ class _BucketRefused(RuntimeError):
 
 
 class Writer:
-    def __init__(self, filler: BucketFiller, broadcast: BroadcastTransport, funnel, acks, *, direct: bool):
+    """``relay``: the group on the trainer's own backend that carries the bytes to rank 0 (``senders: rank0``, or
+    engines on bucket transports): NCCL between GPUs, device to device, the headers over the gloo ``funnel``."""
+
+    def __init__(self, filler: BucketFiller, broadcast: BroadcastTransport, funnel, acks, *, direct: bool, relay):
         self.filler, self.broadcast, self.funnel, self.acks, self.direct = filler, broadcast, funnel, acks, direct
+        self.relay = relay
         self._rnd: Round | None = None
 
     def write(self, chunks, rnd: Round, stats: SyncStats) -> None:
@@ -45,8 +50,9 @@ class Writer:
         stats.peak_buckets = outbox.peak
 
     def _send(self, bucket: Bucket, slot: int) -> None:
-        # one buffer: the send is synchronous and this thread sends one bucket at a time
-        send_bucket(bucket, 0, self.funnel, self.filler.buffers.get("send", bucket.nbytes, "cpu"))
+        # one buffer: the send is synchronous (on NCCL, stream-ordered) and this thread sends one bucket at a time
+        buffer = self.filler.buffers.get("send", bucket.nbytes, self.filler.topo.device)
+        send_bucket(bucket, 0, self.funnel, buffer, bytes_group=self.relay)
 
     def _cast_own(self, bucket: Bucket, slot: int) -> None:
         """The header to rank 0; on rank 0's go (it takes one bucket at a time over all writers, so every engine

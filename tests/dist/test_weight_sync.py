@@ -339,13 +339,15 @@ def test_engine_killed_mid_sync_is_reported_and_a_restarted_engine_resyncs(tiny_
 
 
 def _funnel(out_dir):
-    """Rank 1 sends buckets the way a PP/EP writer does; rank 0 receives them as the sender does."""
+    """Rank 1 sends buckets the way a PP/EP writer does; rank 0 receives them as the sender does: the headers over
+    the gloo funnel, the bytes over a group on the trainer's own backend (NCCL on GPU)."""
     import torch.distributed as dist
 
     from rlsys.architectures.fp8 import quantize_named_tensors
     from rlsys.sync.buckets import Bucketer, recv_bucket, send_bucket, send_end
 
     group = dist.new_group([0, 1], backend="gloo")
+    relay = dist.new_group([0, 1])
     gen = torch.Generator().manual_seed(0)
     named = [("norm", torch.randn(7, generator=gen).to(torch.bfloat16)), ("ids", torch.arange(5))]
     named += quantize_named_tensors([("mlp.down_proj.weight", torch.randn(256, 130, generator=gen))])
@@ -356,12 +358,12 @@ def _funnel(out_dir):
     if dist.get_rank() == 1:
         buffer = torch.empty(1 << 20, dtype=torch.uint8)
         for b in buckets:
-            send_bucket(b, 0, group, buffer)  # one buffer for all: each send returns when the bytes are out
+            send_bucket(b, 0, group, buffer, bytes_group=relay)  # one buffer for all: each send returns when sent
         send_end(0, group)
         send_end(0, group, failed=True)
     else:
         got, buffers = [], [torch.empty(1 << 20, dtype=torch.uint8) for _ in buckets]
-        while (b := recv_bucket(1, group, lambda n: buffers[len(got)][:n], timeout_s=30)) is not None:
+        while (b := recv_bucket(1, group, lambda n: buffers[len(got)][:n], timeout_s=30, bytes_group=relay)) is not None:
             got.append(b)
         want = dict(named)
         result["names"] = [b.names for b in got]

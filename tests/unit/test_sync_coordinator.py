@@ -132,3 +132,50 @@ def test_every_transport_has_the_one_interface(cls):
     for m in wanted:
         theirs = inspect.signature(getattr(cls, m))
         assert list(theirs.parameters) == list(inspect.signature(getattr(BucketTransport, m)).parameters), m
+
+
+class Turns:
+    def __init__(self, log):
+        self.log = log
+
+    def answer(self, writer, ok=None):
+        ok = True if ok is None else ok
+        self.log.append(("go" if ok else "skip", writer))
+        return ok
+
+
+class EarlyError(Transport):
+    """A new NCCL group's first bucket: an engine refuses it before entering its receive
+    (``broadcast.raise_early_errors`` inside ``send``, before anything is broadcast)."""
+
+    @contextlib.contextmanager
+    def send(self, bucket, version):
+        self.log.append((self.name, "send", tuple(bucket.names), version))
+        raise RuntimeError("engine: unknown dtype float4")
+        yield []
+
+
+def test_another_writers_bucket_is_announced_before_the_writer_is_told_to_broadcast_it():
+    log = []
+    c = Coordinator(Sessions(log), [Transport("broadcast", log)], filler=None, turns=Turns(log), timeout_s=5)
+    rnd, stats = Round(4, spread=False, parts=False, failure=FirstError()), SyncStats()
+    bucket = _bucket("x")
+    bucket.sender = 2
+    c.deliver(bucket, rnd, stats)
+    assert log == [
+        ("broadcast", "send", ("x",), 4),  # announced: on NCCL the engines enter the new group's build
+        ("go", 2),  # only now does writer 2 broadcast (and build it)
+        ("broadcast", "sent", ("x",)),
+        ("go", 2),  # the verdict
+    ]
+
+
+def test_an_early_error_of_a_new_group_tells_the_writer_to_skip_its_broadcast():
+    log = []
+    c = Coordinator(Sessions(log), [EarlyError("broadcast", log)], filler=None, turns=Turns(log), timeout_s=5)
+    rnd, stats = Round(4, spread=False, parts=False, failure=FirstError()), SyncStats()
+    bucket = _bucket("x")
+    bucket.sender = 2
+    c.deliver(bucket, rnd, stats)
+    assert "unknown dtype" in str(rnd.failure.error)
+    assert log == [("broadcast", "send", ("x",), 4), ("skip", 2)]  # no broadcast left stranded in a build
