@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks CPU tests cannot make, then the training benchmark, on one GPU:
+#   0. benchmarks/gpu_model_check.py: the trainer's torch and NCCL versions; `convert hf-to-mcore --device cuda`
+#      and `rlsys check-parity --device cuda` against transformers on a tiny Qwen2 and a tiny Qwen3-MoE;
 #   1. benchmarks/gpu_sync_check.py: CUDA IPC of a flattened bucket, then 4 receivers of one bucket under
 #      allocation pressure (one shared payload: the defect shown; one payload per consumer: every sha256 equal),
 #      then the same once more under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (what pidfd_getfd does
@@ -16,8 +18,9 @@
 #      run(command="bash benchmarks/gpu_check.sh --steps 10", carry=[".gpu_bundle"], timeout_s=540)
 #    Expect 5-7 minutes (install and imports ~30 s, the sync checks ~1 min, the offload check two tiny
 #    engines, then matmul probe, build, torch.compile of megatron's fused SwiGLU, steps of ~1-3 s). The
-#    summary is the last lines of output_tail; $OUT gets env.txt, sync_check*.log, offload_check.log,
-#    gpu_train.log and gpu_train.json.
+#    summary is the last lines of output_tail and $OUT/summary.json (benchmarks/gpu_summary.py: versions, each
+#    check's verdict, tokens/s and MFU); $OUT also gets env.txt, model_check.json/.log, sync_check*.log,
+#    offload_check.log, gpu_train.log and gpu_train.json.
 #
 # Arguments go to gpu_train.py (e.g. `--layers 8`, `--max-tokens 8192`, `--recompute selective`).
 # Environment: PYTHON (python3), GPU_BUNDLE (.gpu_bundle), GPU_CHECK_SITE (install target,
@@ -73,6 +76,12 @@ EOF
 [[ ${PIPESTATUS[0]} == 0 ]] || exit 4
 
 failed=0
+model_device=cuda
+[[ " ${ARGS[*]} " == *" cpu "* ]] && model_device=cpu
+echo "=== gpu_model_check.py --device $model_device (versions, convert, parity)"
+"$PYTHON" benchmarks/gpu_model_check.py --device "$model_device" --json "$RESULTS/model_check.json" 2>&1 |
+    tail -n 4
+[[ ${PIPESTATUS[0]} == 0 ]] || failed=1
 echo "=== gpu_sync_check.py (default allocator)"
 "$PYTHON" benchmarks/gpu_sync_check.py --mb 256 --consumers 4 2>&1 | tee "$RESULTS/sync_check.log"
 [[ ${PIPESTATUS[0]} == 0 ]] || failed=1
@@ -103,5 +112,6 @@ if ((rc != 0)) && [[ -z ${TORCH_COMPILE_DISABLE:-} ]] &&
     rc=$?
 fi
 ((rc == 0 && failed)) && rc=5
+"$PYTHON" benchmarks/gpu_summary.py "$RESULTS" "$rc" | tee "$RESULTS/summary.json"
 echo "=== gpu_check exit $rc (sync/offload checks: $([[ $failed == 0 ]] && echo ok || echo FAILED)); results in $RESULTS"
 exit "$rc"
