@@ -18,7 +18,8 @@ def test_each_checks_verdict_and_the_benchmark_numbers_are_collected(tmp_path):
         "models": {"qwen2": {"convert": {"rc": 0}, "parity": {"rc": 1}}},
     }
     (tmp_path / "model_check.json").write_text(json.dumps(model))
-    (tmp_path / "sync_check.log").write_text("...\nSUMMARY ipc=ok per_consumer=ok nccl_two_ranks_one_gpu_refused=FAILED\n")
+    verdicts = "SUMMARY ipc=ok per_consumer=ok nccl_two_ranks_one_gpu_refused=FAILED"
+    (tmp_path / "sync_check.log").write_text(f"...\n{verdicts}\n")
     (tmp_path / "gpu_train.json").write_text(json.dumps({"tokens_per_s": 5.0e4, "mfu": {"bf16": 0.41}, "x": 1}))
     got = summary(str(tmp_path), 5)
     assert got["versions"] == {"torch": "2.11.0", "nccl": "2.27.3"}
