@@ -88,7 +88,7 @@ def transformer_config(arch: ModelArch, topo: Topology, dtype: str = "fp32", **o
         moe_token_dispatcher_type="allgather" if on_cpu and arch.num_experts else "alltoall",
         batch_p2p_comm=False,  # gloo has no batched isend/irecv
     )
-    kwargs.update(_moe_kwargs(arch, on_cpu))
+    kwargs.update(_moe_kwargs(arch, on_cpu, grouped=_uses_te(topo)))
     if arch.mla:
         kwargs.update(_mla_kwargs(arch))
         cls = MLATransformerConfig
@@ -115,7 +115,7 @@ def fused_permute_available(on_cpu: bool) -> bool:
     return not on_cpu and all(getattr(moe_utils, k, None) is not None for k in kernels)
 
 
-def _moe_kwargs(arch: ModelArch, on_cpu: bool = True) -> dict:
+def _moe_kwargs(arch: ModelArch, on_cpu: bool = True, grouped: bool = False) -> dict:
     if not arch.num_experts:
         return {}
     kw = dict(
@@ -125,9 +125,10 @@ def _moe_kwargs(arch: ModelArch, on_cpu: bool = True) -> dict:
         moe_layer_freq=[1 if arch.is_moe_layer(i) else 0 for i in range(arch.num_layers)],
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
-        # grouped GEMM keeps every local expert in one weight (TEGroupedMLP: linear_fc1.weight<i>), a layout the
-        # conversion tables (SequentialMLP's local_experts.<i>) do not map yet: off until a GPU run checks it
-        moe_grouped_gemm=False,
+        # grouped GEMM (TEGroupedMLP: one GEMM over the local experts, weights linear_fc1.weight<i>, which
+        # rlsys.megatron.params maps onto SequentialMLP's local_experts.<i>) where the TE spec is used; without TE
+        # megatron would pick the legacy GroupedMLP, which needs the grouped_gemm package: SequentialMLP there
+        moe_grouped_gemm=grouped,
         moe_router_dtype="fp32",
         moe_shared_expert_intermediate_size=arch.shared_expert_ffn_hidden_size or None,
         moe_permute_fusion=fused_permute_available(on_cpu),

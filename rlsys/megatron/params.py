@@ -44,6 +44,16 @@ def _shard_of(t: torch.Tensor, is_expert: bool, topo: Topology) -> Shard:
     return Shard(topo.tp_rank, topo.tp, t.partition_dim)
 
 
+def _grouped_expert_shard(m: re.Match, topo: Topology) -> Shard:
+    """A transformer-engine grouped expert weight (``TEGroupedMLP``, ``moe_grouped_gemm``): split over expert TP as
+    megatron's ``SequentialMLP`` experts are (fc1 column-parallel: rows; fc2 row-parallel: columns, its bias whole).
+    Read from the name: where megatron does the expert communication itself (expert TP or EP > 1) it hands TE no
+    parallel mode, so TE tags neither the split nor, without EP, the weight as an expert's (``allreduce``)."""
+    fc, kind = m.group(1), m.group(2)
+    dim = 0 if fc == "linear_fc1" else (1 if kind == "weight" else None)
+    return Shard(topo.etp_rank, topo.etp, dim) if dim is not None else Shard()
+
+
 def _canonical_layer_suffix(suffix: str, num_local_experts: int, ep_rank: int) -> tuple[str, int | None]:
     """Map a layer-relative local name to the table's spelling and the global expert id."""
     suffix = TE_NAME_ALIASES.get(suffix, suffix)
@@ -76,6 +86,8 @@ def iter_mapped_params(chunk, arch: ModelArch, table: ArchTable, topo: Topology,
         is_param = isinstance(tensor, torch.nn.Parameter)
         is_expert = is_param and not getattr(tensor, "allreduce", True)
         m = _LAYER.match(name)
+        grouped = _TE_GROUPED_EXPERT.match(m.group(2)) if m is not None and is_param else None
+        is_expert = is_expert or grouped is not None
         if m is None:
             entry, hf_subst, global_name = model_entries.get(name), {}, name
         else:
@@ -96,7 +108,7 @@ def iter_mapped_params(chunk, arch: ModelArch, table: ArchTable, topo: Topology,
             tensor=tensor,
             transform=entry,
             hf_names=hf_names,
-            shard=_shard_of(tensor, is_expert, topo),
+            shard=_grouped_expert_shard(grouped, topo) if grouped else _shard_of(tensor, is_expert, topo),
             is_expert=is_expert,
             skip_export=global_name in table.skip_export,
         )
