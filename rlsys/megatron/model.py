@@ -12,6 +12,7 @@ score function, normalization and group-limited top-k.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import re
 
 import torch
@@ -60,7 +61,7 @@ def transformer_config(arch: ModelArch, topo: Topology, dtype: str = "fp32", **o
         attention_softmax_in_fp32=True,
         # Fused kernels need CUDA (and apex/TE); the unfused paths are exact. TE's attention fuses its own softmax.
         bias_activation_fusion=not on_cpu,
-        masked_softmax_fusion=False,
+        masked_softmax_fusion=fused_softmax_available(on_cpu),
         bias_dropout_fusion=not on_cpu,
         apply_rope_fusion=fused_rope_available(arch, on_cpu),
         persist_layer_norm=False,
@@ -96,6 +97,15 @@ def transformer_config(arch: ModelArch, topo: Topology, dtype: str = "fp32", **o
         cls = TransformerConfig
     kwargs.update(overrides)
     return cls(**kwargs)
+
+
+SOFTMAX_KERNELS = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda", "scaled_softmax_cuda")
+
+
+def fused_softmax_available(on_cpu: bool) -> bool:
+    """The local spec's masked-softmax fusion on CUDA where its kernels import (apex or megatron's fused kernels,
+    built with CUDA: megatron imports them inside the forward, so a missing one would fail the first step)."""
+    return not on_cpu and all(importlib.util.find_spec(k) is not None for k in SOFTMAX_KERNELS)
 
 
 def fused_rope_available(arch: ModelArch, on_cpu: bool) -> bool:

@@ -4,6 +4,7 @@ expert flag as megatron's ``SequentialMLP`` (``local_experts.<i>.linear_fc1.weig
 (``rlsys.megatron.params``). Built from names and shapes only: no machine here has transformer-engine."""
 
 import dataclasses
+import types
 
 import torch
 
@@ -77,7 +78,8 @@ def test_grouped_expert_weights_map_as_sequential_ones():
 def test_grouped_gemm_is_on_where_the_te_spec_is_used(monkeypatch):
     from rlsys.megatron import model
 
-    gpu = dataclasses.replace(TOPO, device=torch.device("cuda", 0))
+    # a plain stand-in: in a process where cpu_compat ran, torch.device("cuda") is the CPU
+    gpu = dataclasses.replace(TOPO, device=types.SimpleNamespace(type="cuda"))
     for device_topo, te, grouped in ((gpu, True, True), (gpu, False, False), (TOPO, True, False)):
         monkeypatch.setattr(model, "have_transformer_engine", lambda te=te: te)
         assert model.transformer_config(ARCH, device_topo).moe_grouped_gemm is grouped  # without TE: SequentialMLP
