@@ -81,10 +81,12 @@ MODELS = {
 COMMON = dict(vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-6)
 # (parallel layout, sync.senders, sync.shards): tp2 has each TP rank send its own parts (no gathers), tp2-gather
 # gathers each parameter on one of them first; pp2 has each stage broadcast its own buckets, pp2-rank0 sends stage
-# 1's through rank 0 (the funnel), so the pairs of rows show what TP parts and per-stage groups save
+# 1's through rank 0 (the funnel), so the pairs of rows show what TP parts and per-stage groups save; tp2-stages is
+# NCCL's default (senders: stages): TP rank 0 gathers everything and is the stage's one sender
 LAYOUTS = {
     "tp2": ({"tp": 2}, "writers", "auto"),
     "tp2-gather": ({"tp": 2}, "writers", "gather"),
+    "tp2-stages": ({"tp": 2}, "stages", "auto"),
     "pp2": ({"pp": 2}, "writers", "auto"),
     "pp2-rank0": ({"pp": 2}, "rank0", "auto"),
 }

@@ -3,10 +3,11 @@
 A collective over the model grid: every rank calls ``iter_hf_tensors`` and
 the *writer* ranks receive the merged HF tensors, one Megatron parameter at a
 time (the next one's shards arriving meanwhile), so no rank ever holds more than
-two full parameters beyond its shards.
+two full parameters beyond its shards (``experts_to_stage``: an expert parameter
+of every EP rank of the stage).
 
-Who writes what (no tensor crosses a pipeline stage or an expert-parallel
-rank; each stage exports its own layers):
+Who writes what (no tensor crosses a pipeline stage, nor, unless
+``experts_to_stage``, an expert-parallel rank; each stage exports its own layers):
 
 * dense parameters: the rank with TP rank 0 and DP rank 0 of each stage, after
   its TP peers sent it their shards;
