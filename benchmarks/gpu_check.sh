@@ -16,8 +16,9 @@
 # 1. Here (needs PyPI), once:   bash benchmarks/make_gpu_bundle.sh     # fills the ignored .gpu_bundle/ (~2.6 MB)
 # 2. The device tool:
 #      run(command="bash benchmarks/gpu_check.sh --steps 10", carry=[".gpu_bundle"], timeout_s=540)
-#    Expect 5-7 minutes (install and imports ~30 s, the sync checks ~1 min, the offload check two tiny
-#    engines, then matmul probe, build, torch.compile of megatron's fused SwiGLU, steps of ~1-3 s). The
+#    Expect 6-8 minutes (install and imports ~30 s, the model checks four CLI processes of ~10-20 s, the sync
+#    checks ~1 min, the offload check two tiny engines, then matmul probe, build, torch.compile of megatron's
+#    fused SwiGLU, steps of ~1-3 s); with less time left, --steps 5. The
 #    summary is the last lines of output_tail and $OUT/summary.json (benchmarks/gpu_summary.py: versions, each
 #    check's verdict, tokens/s and MFU); $OUT also gets env.txt, model_check.json/.log, sync_check*.log,
 #    offload_check.log, gpu_train.log and gpu_train.json.

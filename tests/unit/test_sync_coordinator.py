@@ -155,13 +155,19 @@ class EarlyError(Transport):
         yield []
 
 
-def test_another_writers_bucket_is_announced_before_the_writer_is_told_to_broadcast_it():
-    log = []
-    c = Coordinator(Sessions(log), [Transport("broadcast", log)], filler=None, turns=Turns(log), timeout_s=5)
-    rnd, stats = Round(4, spread=False, parts=False, failure=FirstError()), SyncStats()
+def _writers_bucket(transport, log):
+    """Writer rank 2's bucket delivered through ``transport``; the sync's failure, if any."""
+    c = Coordinator(Sessions(log), [transport], filler=None, turns=Turns(log), timeout_s=5)
+    rnd = Round(4, spread=False, parts=False, failure=FirstError())
     bucket = _bucket("x")
     bucket.sender = 2
-    c.deliver(bucket, rnd, stats)
+    c.deliver(bucket, rnd, SyncStats())
+    return rnd.failure.error
+
+
+def test_another_writers_bucket_is_announced_before_the_writer_is_told_to_broadcast_it():
+    log = []
+    assert _writers_bucket(Transport("broadcast", log), log) is None
     assert log == [
         ("broadcast", "send", ("x",), 4),  # announced: on NCCL the engines enter the new group's build
         ("go", 2),  # only now does writer 2 broadcast (and build it)
@@ -172,10 +178,5 @@ def test_another_writers_bucket_is_announced_before_the_writer_is_told_to_broadc
 
 def test_an_early_error_of_a_new_group_tells_the_writer_to_skip_its_broadcast():
     log = []
-    c = Coordinator(Sessions(log), [EarlyError("broadcast", log)], filler=None, turns=Turns(log), timeout_s=5)
-    rnd, stats = Round(4, spread=False, parts=False, failure=FirstError()), SyncStats()
-    bucket = _bucket("x")
-    bucket.sender = 2
-    c.deliver(bucket, rnd, stats)
-    assert "unknown dtype" in str(rnd.failure.error)
+    assert "unknown dtype" in str(_writers_bucket(EarlyError("broadcast", log), log))
     assert log == [("broadcast", "send", ("x",), 4), ("skip", 2)]  # no broadcast left stranded in a build
