@@ -68,12 +68,10 @@ class Coordinator:
             if sender:
                 self.turns.answer(sender, ok=False)  # skipped: the writer starts no send
             return
-        went: list[bool] = []  # whether, and with what answer, the writer was told to go
+        went = []  # whether the writer was told to go
 
-        def go() -> None:
-            went.append(self.turns.answer(sender))
-            if not went[0]:  # a failure came first: announced, but the writer skips its broadcast
-                raise RuntimeError(f"weight sync stopped before writer rank {sender} broadcast its bucket")
+        def go() -> None:  # announced: the engines wait for these bytes, whatever failed meanwhile elsewhere
+            went.append(self.turns.answer(sender, ok=True))
 
         try:
             if bucket.names:
@@ -85,10 +83,8 @@ class Coordinator:
                 go()
         except Exception as e:
             rnd.failure.note(e)
-        if sender and not went:
-            self.turns.answer(sender, ok=False)  # failed before its turn to send: it skips
-        elif went and went[0]:
-            self.turns.answer(sender)  # the verdict, which it waits for whatever happened
+        if sender:  # its verdict, which it waits for whatever happened; or, never told to go, that it skips
+            self.turns.answer(sender, ok=None if went else False)
 
     def finish(self, version: int, parts: bool, checks) -> None:
         """After every bucket landed; the sessions' end and verification are engine answers too."""
