@@ -137,8 +137,9 @@ class SyncConfig:
     # who broadcasts into the engines (rank 0 announces every bucket): stages: each pipeline stage's first rank,
     # its TP and EP peers' shards gathered to it over the training backend (an engine GPU joins one NCCL group per
     # stage); writers: every rank that exports (each stage, EP rank and, with TP parts or shares, TP rank) into a
-    # group of its own; rank0: everything through trainer rank 0 (one group; the others' bytes over gloo);
-    # auto: stages over NCCL, writers over gloo (groups cost the engines nothing there, TP parts save gathers)
+    # group of its own; rank0: everything through trainer rank 0 (one group; the others' bytes over the trainer's
+    # backend); auto: stages over NCCL, writers over gloo (groups cost the engines nothing there, TP parts save
+    # gathers)
     senders: Literal["auto", "stages", "writers", "rank0"] = "auto"
     # TP-split parameters: parts: every TP rank sends its own slices of them (rlsys.sync.parts) and the engines put
     # the slices together (rlsys's CPU engine itself, SGLang through rlsys's loader in its process), so no trainer
