@@ -109,7 +109,7 @@ def _trainer(hf_dir, layout, urls, engine_tp, opts, out_dir):
         from rlsys.megatron.export import iter_hf_tensors
 
         result["checksums"] = {n: tensor_checksum(t) for n, t in iter_hf_tensors(worker.engine.chunks, sync.arch, topo)}
-    if rank0 or dist.get_rank() in sync.writers or "logprob_diff_max" in result:
+    if rank0 or dist.get_rank() in sync.writers or {"logprob_diff_max", "checksums"} & result.keys():
         with open(os.path.join(out_dir, f"{dist.get_rank()}.json"), "w") as f:
             json.dump(result, f)
     sync.disconnect()
@@ -402,19 +402,25 @@ def test_funnel_moves_whole_buckets_reports_a_failed_writer_and_times_out(tmp_pa
 
 
 @pytest.mark.parametrize(
-    "layout,senders",
-    [({"tp": 2}, "writers"), ({"pp": 2}, "writers"), ({"pp": 2}, "rank0")],
-    ids=["tp2", "pp2", "pp2-rank0"],
+    "model_type,layout,senders",
+    [
+        ("qwen3", {"tp": 2}, "writers"),
+        ("qwen3", {"pp": 2}, "writers"),
+        ("qwen3", {"pp": 2}, "rank0"),
+        ("qwen3_moe", {"ep": 2}, "stages"),
+    ],
+    ids=["tp2", "pp2", "pp2-rank0", "moe-ep2-stages"],
 )
 @pytest.mark.parametrize("load_format", ["flattened_bucket", "per_tensor"])
 def test_delta_syncs_keep_every_engine_tensor_bit_equal_to_the_trainers(
-    engines, tiny_checkpoints, tmp_path, layout, senders, load_format
+    engines, tiny_checkpoints, tmp_path, model_type, layout, senders, load_format
 ):
     """One full sync, then three rounds of sparse changes sent as deltas (PP: each stage sends its own, or,
-    through rank 0, rank 0 mirrors the second writer's for sync.verify): afterwards every engine tensor
-    equals the trainer's bit for bit, and each delta sync sent a small fraction of the full sync's bytes."""
-    hf = tiny_checkpoints["qwen3"]
-    urls = [url for _, url in engines("qwen3")]
+    through rank 0, rank 0 mirrors the second writer's for sync.verify; stages: rank 0 encodes the experts EP rank
+    1 sent it): afterwards every engine tensor equals the trainer's bit for bit, and each delta sync sent a small
+    fraction of the full sync's bytes."""
+    hf = tiny_checkpoints[model_type]
+    urls = [url for _, url in engines(model_type)]
     opts = dict(delta=True, rounds=3, verify=True, load_format=load_format, bucket_mb=0.05, senders=senders)
     reports = run_sync(hf, layout, 2, urls, tmp_path, **opts)
     sender = reports[0]
