@@ -12,7 +12,6 @@ score function, normalization and group-limited top-k.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import re
 
 import torch
@@ -59,9 +58,12 @@ def transformer_config(arch: ModelArch, topo: Topology, dtype: str = "fp32", **o
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
-        # Fused kernels need CUDA (and apex/TE); the unfused paths are exact. TE's attention fuses its own softmax.
+        # Fused kernels need CUDA (and apex/TE); the unfused paths are exact. TE's attention fuses its own softmax;
+        # the local spec's fused one must stay off: for causal attention it applies the upper-triangular mask alone
+        # (megatron's FusedScaleMaskSoftmax.forward_fused_softmax) and drops the block-diagonal mask of packed rows,
+        # which would let tokens attend across packed sequences without an error
         bias_activation_fusion=not on_cpu,
-        masked_softmax_fusion=fused_softmax_available(on_cpu),
+        masked_softmax_fusion=False,
         bias_dropout_fusion=not on_cpu,
         apply_rope_fusion=fused_rope_available(arch, on_cpu),
         persist_layer_norm=False,
@@ -97,15 +99,6 @@ def transformer_config(arch: ModelArch, topo: Topology, dtype: str = "fp32", **o
         cls = TransformerConfig
     kwargs.update(overrides)
     return cls(**kwargs)
-
-
-SOFTMAX_KERNELS = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda", "scaled_softmax_cuda")
-
-
-def fused_softmax_available(on_cpu: bool) -> bool:
-    """The local spec's masked-softmax fusion on CUDA where its kernels import (apex or megatron's fused kernels,
-    built with CUDA: megatron imports them inside the forward, so a missing one would fail the first step)."""
-    return not on_cpu and all(importlib.util.find_spec(k) is not None for k in SOFTMAX_KERNELS)
 
 
 def fused_rope_available(arch: ModelArch, on_cpu: bool) -> bool:

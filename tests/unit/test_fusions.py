@@ -1,7 +1,7 @@
 """The fused CUDA kernels a model is built with (``rlsys.megatron.model.transformer_config``): RoPE and MoE
 token-permutation fusion wherever megatron binds TE's kernels on CUDA, never on CPU (unfused paths are exact), and
-not for MLA, whose fused RoPE megatron restricts to training with YaRN; the local spec's masked softmax fused where
-its kernels import."""
+not for MLA, whose fused RoPE megatron restricts to training with YaRN; never the local spec's fused softmax, which
+drops the packed rows' mask."""
 
 import importlib.machinery
 import sys
@@ -54,12 +54,11 @@ def test_cpu_and_cuda_without_the_kernels_run_unfused(te_kernels, monkeypatch):
     assert not model.fused_rope_available(arch_from_dict(QWEN3_MOE), on_cpu=False)
 
 
-def test_the_local_specs_softmax_is_fused_on_cuda_only_where_its_kernels_import(monkeypatch):
-    arch = arch_from_dict(QWEN3_MOE)
-    assert not model.transformer_config(arch, _topo("cuda")).masked_softmax_fusion  # not built here
-    for name in model.SOFTMAX_KERNELS:  # as apex or megatron's fused kernels install them
-        kernel = types.ModuleType(name)
+def test_the_local_specs_fused_softmax_stays_off_even_where_its_kernels_import(monkeypatch):
+    """Under a causal mask type megatron's fused softmax applies the upper-triangular mask alone, so packed rows'
+    block-diagonal mask would be dropped: tokens would attend across sequences, silently."""
+    for name in ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda", "scaled_softmax_cuda"):
+        kernel = types.ModuleType(name)  # as apex or megatron's fused kernels install them
         kernel.__spec__ = importlib.machinery.ModuleSpec(name, None)
         monkeypatch.setitem(sys.modules, name, kernel)
-    assert model.transformer_config(arch, _topo("cuda")).masked_softmax_fusion
-    assert not model.transformer_config(arch, _topo("cpu")).masked_softmax_fusion
+    assert not model.transformer_config(arch_from_dict(QWEN3_MOE), _topo("cuda")).masked_softmax_fusion
