@@ -176,16 +176,18 @@ def _stage_experts(experts: list[MappedParam], chunks, arch: ModelArch, table, t
     def start(i: int):
         p = experts[i]
         local = p.tensor.detach().contiguous()
+        split = _sharded(p)  # else expert-TP rank 0's copy alone
         shards, receives = [], []
         for e in range(topo.ep):
-            mine = _shard_buffers(p, local, 0 if e == 0 else None) if _sharded(p) else [local if e == 0 else None]
+            mine = (
+                _shard_buffers(p, local, 0 if e == 0 else None)
+                if split
+                else [local if e == 0 else torch.empty_like(local)]
+            )
             for t in range(len(mine)):
-                if e == 0 and t == 0:
-                    continue
-                if mine[t] is None:
-                    mine[t] = torch.empty_like(local)
-                src = dist.get_global_rank(group, e * topo.etp + t)
-                receives.append(dist.irecv(mine[t], src=src, group=group, tag=tag))
+                if e or t:  # all but this rank's own shard
+                    src = dist.get_global_rank(group, e * topo.etp + t)
+                    receives.append(dist.irecv(mine[t], src=src, group=group, tag=tag))
             shards.append(mine)
         return i, shards, receives
 
